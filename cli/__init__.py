@@ -1,0 +1,39 @@
+"""The `zlm` command-line app (installed as `zlm.cli`).
+
+One small module per subcommand; each parses options, builds a config, calls one
+library function and renders the result.
+
+    zlm prepare SOURCE --out DATA_DIR    corpus -> tokenizer + train/valid/test.bin
+    zlm train SOURCE [--out RUN_DIR]     train a zoneout LSTM, live BPC, checkpoints
+    zlm eval RUN                         bits per character on a split or a file
+    zlm sample RUN                       generate text
+    zlm info RUN                         what a run or checkpoint holds, without tensors
+    zlm bench                            cell throughput against torch.nn.LSTM
+"""
+
+from __future__ import annotations
+
+import typer
+
+app = typer.Typer(
+    name="zlm",
+    help="Character-level language models with zoneout LSTMs.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+from zlm.cli import bench, evaluate, info, prepare, sample, train  # noqa: E402
+
+app.command("prepare")(prepare.command)
+app.command("train")(train.command)
+app.command("eval")(evaluate.command)
+app.command("sample")(sample.command)
+app.command("info")(info.command)
+app.command("bench")(bench.command)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()

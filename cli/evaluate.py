@@ -1,0 +1,10 @@
+"""`zlm evaluate` (being built)."""
+
+from __future__ import annotations
+
+from zlm.errors import ZlmError
+
+
+def command() -> None:
+    """Not built yet."""
+    raise ZlmError("zlm evaluate is not built yet")

@@ -1,0 +1,10 @@
+"""`zlm info` (being built)."""
+
+from __future__ import annotations
+
+from zlm.errors import ZlmError
+
+
+def command() -> None:
+    """Not built yet."""
+    raise ZlmError("zlm info is not built yet")

@@ -1,0 +1,10 @@
+"""`zlm train` (being built)."""
+
+from __future__ import annotations
+
+from zlm.errors import ZlmError
+
+
+def command() -> None:
+    """Not built yet."""
+    raise ZlmError("zlm train is not built yet")

@@ -1,0 +1,59 @@
+"""The built package contains zlm, zlm.cli and zlm.corpora, and no top-level `cli`."""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+import tomllib
+import zipfile
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _declared():
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+
+
+def test_every_package_dir_is_listed():
+    """Automatic discovery would drop zlm or zlm.cli with this mapping: list all."""
+    cfg = _declared()
+    on_disk = {"zlm"} | {
+        "zlm." + ".".join(p.relative_to(ROOT / "zlm").parent.parts)
+        for p in (ROOT / "zlm").rglob("__init__.py")
+        if p.parent != ROOT / "zlm"
+    }
+    on_disk |= {"zlm.cli", "zlm.corpora"}
+    assert set(cfg["packages"]) == on_disk
+    assert cfg["package-dir"]["zlm.cli"] == "cli"
+
+
+def test_cli_importable_as_zlm_cli_only():
+    import zlm.cli
+
+    assert pathlib.Path(zlm.cli.__file__).parent == ROOT / "cli"
+    out = subprocess.run(
+        [sys.executable, "-c", "import importlib.util as u; print(u.find_spec('cli') is None)"],
+        capture_output=True, text=True, cwd="/", check=True,
+    )
+    assert out.stdout.strip() == "True"
+
+
+@pytest.mark.skipif(
+    subprocess.run([sys.executable, "-m", "pip", "--version"], capture_output=True).returncode,
+    reason="pip unavailable",
+)
+def test_wheel_contents(tmp_path):
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(tmp_path), str(ROOT)],
+        check=True, capture_output=True,
+    )
+    (wheel,) = tmp_path.glob("zlm-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "zlm/cli/__init__.py" in names
+    assert "zlm/cells/__init__.py" in names
+    assert "zlm/corpora/catalog.json" in names
+    assert not any(n.startswith("cli/") for n in names)

@@ -1,0 +1,34 @@
+"""The errors zlm raises for users: one line that names the problem and the fix.
+
+The CLI catches `ZlmError`, prints its message on one line and exits with its
+`exit_code` (2 for usage errors, 1 for runtime failures). Everything else is a bug and
+keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class ZlmError(Exception):
+    """A runtime failure the user can act on (exit code 1)."""
+
+    exit_code = 1
+
+
+class UsageError(ZlmError):
+    """Bad command-line input: a wrong option, a missing file (exit code 2)."""
+
+    exit_code = 2
+
+
+class DataError(ZlmError):
+    """A corpus or prepared dataset that cannot be used as it is (exit code 1)."""
+
+
+class CheckpointError(ZlmError):
+    """A checkpoint that is missing, incomplete, corrupt or foreign (exit code 1)."""
+
+
+class NonFiniteError(ZlmError):
+    """Training stopped after too many non-finite losses in a row (exit code 3)."""
+
+    exit_code = 3
