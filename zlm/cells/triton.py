@@ -201,8 +201,7 @@ def zoneout_lstm_triton(
     """
     if not (x.is_cuda or _interpreting()):
         raise RuntimeError(
-            "the Triton cell needs CUDA tensors (or TRITON_INTERPRET=1 for tests); "
-            f"got x on {x.device}"
+            f"the Triton cell needs CUDA tensors (or TRITON_INTERPRET=1 for tests); got x on {x.device}"
         )
     cd = _compute_dtype(x)
     sd = _state_dtype(cd)
@@ -211,9 +210,7 @@ def zoneout_lstm_triton(
     for name, k in (("keep_c", keep_c), ("keep_h", keep_h)):
         if isinstance(k, Tensor) and k.shape != (T, N, H):
             raise ValueError(f"{name} must be (T, N, H) = {(T, N, H)}, got {tuple(k.shape)}")
-    keep_c, keep_h = (
-        k.contiguous() if isinstance(k, Tensor) else float(k) for k in (keep_c, keep_h)
-    )
+    keep_c, keep_h = (k.contiguous() if isinstance(k, Tensor) else float(k) for k in (keep_c, keep_h))
     with torch.autocast(device_type=x.device.type, enabled=False):
         args = (
             x.to(cd).contiguous(),
