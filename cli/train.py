@@ -1,10 +1,65 @@
-"""`zlm train` (being built)."""
+"""`zlm train SOURCE`: train a zoneout LSTM with a live BPC display."""
 
 from __future__ import annotations
 
-from zlm.errors import ZlmError
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from zlm.cli.errors import handle_errors
+
+H_MODEL, H_TRAIN, H_RUN = "Model", "Training", "Run"
 
 
-def command() -> None:
-    """Not built yet."""
-    raise ZlmError("zlm train is not built yet")
+@handle_errors
+def command(
+    source: Annotated[str, typer.Argument(help="A prepared DATA_DIR, a text file, or a corpus name (e.g. stdlib).")],
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Run directory [default: runs/<source name>].", rich_help_panel=H_RUN)] = None,
+    resume: Annotated[bool, typer.Option(help="Continue the run in --out from its latest complete checkpoint (starts fresh if there is none).", rich_help_panel=H_RUN)] = False,
+    preset: Annotated[str | None, typer.Option(help="cpu-small (default) or zoneout-ptb-char; explicit options override it.", rich_help_panel=H_RUN)] = None,
+    hidden: Annotated[int | None, typer.Option(help="Units per LSTM layer.", rich_help_panel=H_MODEL)] = None,
+    layers: Annotated[int | None, typer.Option(help="Stacked zoneout LSTM layers.", rich_help_panel=H_MODEL)] = None,
+    embed: Annotated[int | None, typer.Option(help="Embedding width.", rich_help_panel=H_MODEL)] = None,
+    zoneout_cell: Annotated[float | None, typer.Option(help="z_c: probability a cell unit keeps its value.", rich_help_panel=H_MODEL)] = None,
+    zoneout_hidden: Annotated[float | None, typer.Option(help="z_h: probability a hidden unit keeps its value.", rich_help_panel=H_MODEL)] = None,
+    dropout: Annotated[float | None, typer.Option(help="Non-recurrent dropout.", rich_help_panel=H_MODEL)] = None,
+    cell: Annotated[str | None, typer.Option(help="auto | fused | reference.", rich_help_panel=H_MODEL)] = None,
+    batch_size: Annotated[int | None, typer.Option(help="Streams per process.", rich_help_panel=H_TRAIN)] = None,
+    bptt: Annotated[int | None, typer.Option(help="Truncated backprop window (tokens).", rich_help_panel=H_TRAIN)] = None,
+    lr: Annotated[float | None, typer.Option(help="Learning rate.", rich_help_panel=H_TRAIN)] = None,
+    optimizer: Annotated[str | None, typer.Option(help="adam | adamw | sgd.", rich_help_panel=H_TRAIN)] = None,
+    weight_decay: Annotated[float | None, typer.Option(help="Weight decay.", rich_help_panel=H_TRAIN)] = None,
+    clip: Annotated[float | None, typer.Option(help="Max gradient norm (0 = off).", rich_help_panel=H_TRAIN)] = None,
+    schedule: Annotated[str | None, typer.Option(help="constant | cosine | plateau.", rich_help_panel=H_TRAIN)] = None,
+    warmup: Annotated[int | None, typer.Option(help="Linear warmup steps.", rich_help_panel=H_TRAIN)] = None,
+    epochs: Annotated[float | None, typer.Option(help="Passes over the training split.", rich_help_panel=H_TRAIN)] = None,
+    max_steps: Annotated[int | None, typer.Option(help="Optimizer steps.", rich_help_panel=H_TRAIN)] = None,
+    time_budget: Annotated[str | None, typer.Option(help="Stop after this much training time, e.g. 10m.", rich_help_panel=H_TRAIN)] = None,
+    eval_every: Annotated[int | None, typer.Option(help="Validate and checkpoint every N steps.", rich_help_panel=H_TRAIN)] = None,
+    state: Annotated[str | None, typer.Option(help="carry (TBPTT streams) | reset (paper's shuffled chunks).", rich_help_panel=H_TRAIN)] = None,
+    seed: Annotated[int | None, typer.Option(help="Random seed.", rich_help_panel=H_TRAIN)] = None,
+    device: Annotated[str | None, typer.Option(help="auto | cpu | cuda.", rich_help_panel=H_RUN)] = None,
+    precision: Annotated[str | None, typer.Option(help="auto | fp32 | bf16 | fp16.", rich_help_panel=H_RUN)] = None,
+    keep_last: Annotated[int | None, typer.Option(help="Step checkpoints to keep (plus best/).", rich_help_panel=H_RUN)] = None,
+    log_every: Annotated[int | None, typer.Option(help="Steps between log lines.", rich_help_panel=H_RUN)] = None,
+    nproc: Annotated[int | None, typer.Option(help="Launch N local processes (DistributedDataParallel).", rich_help_panel=H_RUN)] = None,
+    zero: Annotated[bool, typer.Option(help="Shard optimizer state across processes (ZeRO stage 1).", rich_help_panel=H_RUN)] = False,
+    sample: Annotated[int, typer.Option(help="Print a sample of N characters from the best model at the end.", rich_help_panel=H_RUN)] = 0,
+    mirror: Annotated[Path | None, typer.Option(help="Local copy of named corpora.", rich_help_panel=H_RUN)] = None,
+) -> None:
+    """Train a zoneout LSTM language model on SOURCE; live BPC; safetensors checkpoints."""
+    from zlm.runner import TrainRequest, run_training
+
+    overrides = dict(
+        hidden=hidden, layers=layers, embed=embed, zoneout_cell=zoneout_cell,
+        zoneout_hidden=zoneout_hidden, dropout=dropout, cell=cell, batch_size=batch_size, bptt=bptt,
+        lr=lr, optimizer=optimizer, weight_decay=weight_decay, clip=clip, schedule=schedule,
+        warmup=warmup, epochs=epochs, max_steps=max_steps, eval_every=eval_every, state=state,
+        seed=seed, device=device, precision=precision, keep_last=keep_last, log_every=log_every,
+        zero=zero or None,
+    )
+    req = TrainRequest(source=source, out=out, resume=resume, preset=preset, overrides=overrides,
+                       time_budget=time_budget, nproc=nproc, sample_chars=sample, mirror=mirror)
+    code = run_training(req)
+    if code:
+        raise typer.Exit(code)

@@ -58,7 +58,7 @@ def test_eval_expectation_by_hand():
     """One step, one unit, computed with plain floats."""
     import math
 
-    I, H = 1, 1
+
     w_ih = torch.tensor([[0.5], [-0.3], [0.8], [0.2]], dtype=torch.float64)
     w_hh = torch.tensor([[0.1], [0.4], [-0.6], [0.7]], dtype=torch.float64)
     b = torch.tensor([0.0, 1.0, 0.1, -0.2], dtype=torch.float64)

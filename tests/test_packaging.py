@@ -5,10 +5,10 @@ from __future__ import annotations
 import pathlib
 import subprocess
 import sys
-import tomllib
 import zipfile
 
 import pytest
+import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -12,8 +12,8 @@ same pre-drawn masks, so they are comparable under one seed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import Tensor
@@ -38,7 +38,7 @@ def _fused_for(device: torch.device) -> tuple[CellFn | None, str]:
     """The fused cell for this device, or None and the reason it does not apply."""
     if device.type == "cuda":
         try:
-            from zlm.cells.triton import zoneout_lstm_triton, triton_unavailable_reason
+            from zlm.cells.triton import triton_unavailable_reason, zoneout_lstm_triton
         except ImportError as e:
             return None, f"the CUDA fused cell could not be imported ({e})"
         why = triton_unavailable_reason()

@@ -10,12 +10,10 @@ saving that RNG state makes training, and resuming it, reproducible.
 
 from __future__ import annotations
 
-from typing import Union
-
 import torch
 from torch import Tensor
 
-Keep = Union[Tensor, float]
+Keep = Tensor | float
 
 
 def draw_keep(

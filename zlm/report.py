@@ -1,0 +1,72 @@
+"""What the trainer tells the outside world while it runs, without knowing how it is shown.
+
+`Reporter` is the interface (all methods optional no-ops); `PlainReporter` prints plain
+lines. The rich live display lives in `zlm.progress`, the only library module that
+imports rich.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+class Reporter:
+    """Receives training events. Subclass and override what you need."""
+
+    def start(self, info: dict) -> None:
+        """Once, before the first step: run dir, parameters, cell, runtime, data, plan."""
+
+    def log(self, record: dict) -> None:
+        """Every --log-every steps: step, epoch, train_bpc, chars_per_s, lr, elapsed, eta."""
+
+    def eval(self, record: dict) -> None:
+        """After each validation: step, valid_bpc, valid_ppl, best_bpc."""
+
+    def message(self, text: str) -> None:
+        """A one-line notice (resume, fallback, skipped step, checkpoint saved...)."""
+
+    def finish(self, summary: dict) -> None:
+        """Once, at the end."""
+
+
+def fmt_duration(seconds: float | None) -> str:
+    if seconds is None or seconds != seconds or seconds == float("inf"):
+        return "?"
+    s = int(round(seconds))
+    h, rem = divmod(s, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+class PlainReporter(Reporter):
+    """Plain lines on a stream (stdout by default): for logs, pipes and NO_COLOR."""
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stdout
+
+    def _p(self, text: str) -> None:
+        print(text, file=self.stream, flush=True)
+
+    def start(self, info: dict) -> None:
+        for k, v in info.items():
+            self._p(f"{k}: {v}")
+
+    def log(self, r: dict) -> None:
+        valid = f" valid_bpc {r['valid_bpc']:.4f}" if r.get("valid_bpc") is not None else ""
+        self._p(
+            f"step {r['step']} epoch {r['epoch']:.2f} train_bpc {r['train_bpc']:.4f}{valid} "
+            f"chars/s {r['chars_per_s']:,.0f} lr {r['lr']:.3g} "
+            f"elapsed {fmt_duration(r['elapsed'])} eta {fmt_duration(r.get('eta'))}"
+        )
+
+    def eval(self, r: dict) -> None:
+        self._p(
+            f"eval step {r['step']} valid_bpc {r['valid_bpc']:.4f} "
+            f"valid_ppl {r['valid_ppl']:.3f} (per token) best_bpc {r['best_bpc']:.4f}"
+        )
+
+    def message(self, text: str) -> None:
+        self._p(text)
+
+    def finish(self, summary: dict) -> None:
+        self._p("done: " + " ".join(f"{k} {v}" for k, v in summary.items()))

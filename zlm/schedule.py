@@ -1,0 +1,73 @@
+"""Learning-rate schedules: constant, cosine with warmup, and reduce-on-plateau.
+
+Constant and cosine are pure functions of the step; plateau keeps a little state
+(`state_dict`) that changes only when validation reports a BPC.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from zlm.errors import UsageError
+
+KINDS = ("constant", "cosine", "plateau")
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    """The learning-rate schedule (stored in config.json under train.schedule)."""
+
+    kind: str = "constant"  # constant | cosine | plateau
+    warmup: int = 0  # linear warmup steps from 0 to lr (all kinds)
+    min_lr_ratio: float = 0.1  # cosine: final lr = lr * min_lr_ratio
+    factor: float = 0.5  # plateau: multiply lr by this when valid BPC stops improving
+    patience: int = 1  # plateau: validations without improvement before reducing
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise UsageError(f"unknown schedule {self.kind!r}; pass --schedule constant, cosine or plateau")
+        if self.warmup < 0 or not 0 <= self.min_lr_ratio <= 1 or not 0 < self.factor <= 1:
+            raise UsageError("schedule: need --warmup >= 0, min_lr_ratio in [0, 1], factor in (0, 1]")
+
+
+class LRSchedule:
+    """lr(step) for the next optimizer step; observe(bpc) after each validation."""
+
+    def __init__(self, cfg: ScheduleConfig, base_lr: float, total_steps: int | None):
+        if cfg.kind == "cosine" and total_steps is None:
+            raise UsageError("--schedule cosine needs a length: pass --max-steps or --epochs")
+        self.cfg, self.base_lr, self.total_steps = cfg, base_lr, total_steps
+        self.scale = 1.0  # plateau reductions so far, multiplied
+        self.best = math.inf
+        self.bad = 0
+
+    def lr(self, step: int) -> float:
+        c = self.cfg
+        warm = min(1.0, (step + 1) / c.warmup) if c.warmup else 1.0
+        if c.kind == "cosine":
+            span = max(self.total_steps - c.warmup, 1)
+            progress = min(max(step - c.warmup, 0) / span, 1.0)
+            ratio = c.min_lr_ratio + (1 - c.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+            return self.base_lr * warm * ratio
+        return self.base_lr * warm * self.scale
+
+    def observe(self, bpc: float) -> None:
+        if self.cfg.kind != "plateau" or not math.isfinite(bpc):
+            return
+        if bpc < self.best:
+            self.best, self.bad = bpc, 0
+            return
+        self.bad += 1
+        if self.bad >= self.cfg.patience:
+            self.scale *= self.cfg.factor
+            self.bad = 0
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "best": self.best, "bad": self.bad}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale, self.best, self.bad = float(state["scale"]), float(state["best"]), int(state["bad"])
+
+    def describe(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in asdict(self.cfg).items())

@@ -1,0 +1,385 @@
+"""The training loop: loss, backward, clip, step, log, validate, checkpoint, resume.
+
+`train(run_dir, dataset, model_config, train_config)` is the whole job. Everything that
+resumes is stateful (model, optimizer, grad scaler, batch streams, carried hidden state,
+RNG, schedule, best BPC), so `--resume` continues exactly: a run of 2N steps and a run
+of N steps + resume + N steps produce bit-identical losses on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import signal
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+import zlm
+from zlm import checkpoint as ckpt
+from zlm import distributed
+from zlm.cells import choose_cell
+from zlm.dataset import Dataset
+from zlm.errors import NonFiniteError, UsageError
+from zlm.evaluate import EvalProtocol, score_split
+from zlm.metrics import LN2, MetricsLog
+from zlm.model import ModelConfig, ZoneoutLM, token_nll
+from zlm.precision import resolve_runtime
+from zlm.report import Reporter
+from zlm.schedule import LRSchedule, ScheduleConfig
+from zlm.streams import make_streams
+from zlm.trainstate import load_trainer_state, save_training_checkpoint
+
+OPTIMIZERS = ("adam", "adamw", "sgd")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """How to train (stored in config.json)."""
+
+    batch_size: int = 32  # streams per rank
+    bptt: int = 100  # truncated backprop window, tokens
+    lr: float = 2e-3
+    optimizer: str = "adam"  # adam | adamw | sgd (momentum 0.9)
+    weight_decay: float = 0.0
+    clip: float = 1.0  # max global gradient norm; 0 turns clipping off
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    epochs: float | None = None  # stop after this many passes over the training split
+    max_steps: int | None = None  # stop after this many optimizer steps
+    time_budget: float | None = None  # stop after this many seconds of training (total)
+    eval_every: int = 500  # validate (and checkpoint) every N steps, and at the end
+    eval_streams: int = 16  # parallel streams for validation (EvalProtocol)
+    state: str = "carry"  # carry: TBPTT streams, state carried | reset: paper's shuffled chunks
+    seed: int = 1234
+    device: str = "auto"
+    precision: str = "auto"
+    cell: str = "auto"  # auto | fused | reference
+    keep_last: int = 3  # step checkpoints kept (plus best/)
+    log_every: int = 10  # steps between log lines
+    max_nonfinite: int = 5  # non-finite losses in a row before training stops
+    zero: bool = False  # shard optimizer state (ZeroRedundancyOptimizer) under DDP
+
+    def __post_init__(self):
+        if isinstance(self.schedule, dict):
+            object.__setattr__(self, "schedule", ScheduleConfig(**self.schedule))
+        for name in ("batch_size", "bptt", "eval_every", "eval_streams", "keep_last", "log_every",
+                     "max_nonfinite"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.lr <= 0:
+            raise UsageError(f"--lr must be > 0, got {self.lr}")
+        if self.clip < 0:
+            raise UsageError(f"--clip must be >= 0 (0 turns clipping off), got {self.clip}")
+        if self.optimizer not in OPTIMIZERS:
+            raise UsageError(f"unknown optimizer {self.optimizer!r}; pass --optimizer adam, adamw or sgd")
+        if self.state not in ("carry", "reset"):
+            raise UsageError(f"unknown state protocol {self.state!r}; pass --state carry or reset")
+        for name in ("epochs", "max_steps", "time_budget"):
+            v = getattr(self, name)
+            if v is not None and v <= 0:
+                raise UsageError(f"--{name.replace('_', '-')} must be > 0, got {v}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> tuple[type, dict]:
+    """The optimizer class and its keyword arguments (ZeRO wraps the same pair)."""
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD, dict(lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay)
+    cls = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
+    return cls, dict(lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+class _StopFlag:
+    """Ctrl-C / SIGTERM set a flag; the loop saves a checkpoint and stops cleanly."""
+
+    def __init__(self):
+        self.signal: int | None = None
+        self._old = {}
+
+    def __enter__(self):
+        if _in_main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.signal is not None:  # a second Ctrl-C: stop now
+            raise KeyboardInterrupt
+        self.signal = signum
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def _in_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def check_run_dir(run_dir: Path, resume: bool) -> None:
+    """Without --resume, an existing non-empty RUN_DIR is refused (data/ alone is reused)."""
+    if not resume and run_dir.exists() and any(p.name != "data" for p in run_dir.iterdir()):
+        raise UsageError(
+            f"{run_dir} already exists and is not empty; pass --resume to continue it, "
+            f"or --out to choose another run directory"
+        )
+
+
+def train(
+    run_dir: Path,
+    data: Dataset,
+    model_config: ModelConfig,
+    cfg: TrainConfig,
+    *,
+    resume: bool = False,
+    reporter: Reporter | None = None,
+    fault=None,
+) -> dict:
+    """Train a zoneout LM on a prepared dataset into run_dir. Returns a summary dict.
+
+    `fault(step, loss) -> loss` is a test hook to inject non-finite values.
+    """
+    run_dir = Path(run_dir)
+    rep = reporter or Reporter()
+    par = distributed.setup(zero=cfg.zero)
+    runtime = resolve_runtime(cfg.device, cfg.precision, par.local_rank)
+    if not par.is_main:
+        rep = Reporter()
+    if par.is_main:
+        check_run_dir(run_dir, resume)
+    latest = ckpt.latest_complete(run_dir, warn=rep.message) if resume else None
+    if resume and latest is None:
+        rep.message(f"no complete checkpoint in {run_dir}: starting fresh")
+
+    torch.manual_seed(cfg.seed + par.rank)
+    cell = choose_cell(cfg.cell, runtime.device)
+    model = ZoneoutLM(model_config, cell.fn).to(runtime.device)
+    ddp_model = par.wrap_model(model)
+    opt_cls, opt_kw = build_optimizer(model, cfg)
+    optimizer = par.make_optimizer(opt_cls, model.parameters(), **opt_kw)
+    scaler = runtime.grad_scaler()
+    train_tokens = data.tokens("train")
+    streams = make_streams(cfg.state, train_tokens, cfg.batch_size, cfg.bptt, cfg.seed, par.rank, par.world)
+    info = data.split_info("train")
+    chars_per_token = info.characters / max(info.tokens, 1)
+    steps_per_epoch = streams.windows_per_epoch
+    total_steps = _planned_steps(cfg, steps_per_epoch)
+    sched = LRSchedule(cfg.schedule, cfg.lr, total_steps)
+
+    config = {
+        "zlm_version": zlm.__version__,
+        "model": model_config.to_dict(),
+        "train": cfg.to_dict(),
+        "data": {"path": str(Path(data.path).resolve()), "tokenizer": data.meta["tokenizer"],
+                 "unit": data.meta.get("unit", "character")},
+        "world_size": par.world,
+    }
+    t = {"step": 0, "elapsed": 0.0, "best_bpc": math.inf, "nonfinite": 0, "last_good": None}
+    state = None
+    if latest is not None:
+        t, state = load_trainer_state(latest, model, optimizer, scaler, streams, sched, runtime, par)
+        rep.message(f"resumed from {latest} at step {t['step']}")
+    if par.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        ckpt.write_json(run_dir / "config.json", config)
+    log = MetricsLog(run_dir / "metrics.jsonl") if par.is_main else None
+
+    def save(reason: str) -> Path | None:
+        path = save_training_checkpoint(run_dir, t, model, optimizer, scaler, streams, sched,
+                                        state, config, data, par, cfg.keep_last)
+        if path is not None:
+            t["last_good"] = str(path)
+            rep.message(f"checkpoint {path.name} saved ({reason})")
+            log.write("checkpoint", step=t["step"], path=str(path), reason=reason)
+        return path
+
+    def validate() -> float:
+        vinfo = data.split_info("valid")
+        score = score_split(model, data.tokens("valid"), data.tokenizer, vinfo.characters,
+                            vinfo.bytes, runtime, EvalProtocol(cfg.eval_streams), par.sum,
+                            par.rank, par.world)
+        bpc = score.bpc
+        improved = math.isfinite(bpc) and bpc < t["best_bpc"]
+        if improved:
+            t["best_bpc"] = bpc
+        sched.observe(bpc)
+        if par.is_main:
+            rec = {"step": t["step"], "epoch": t.get("epoch", 0.0), "valid_bpc": bpc,
+                   "valid_ppl": score.perplexity, "valid_bits_per_byte": score.bits_per_byte,
+                   "best_bpc": t["best_bpc"], "tokens": score.tokens, "characters": score.characters}
+            log.write("eval", **rec)
+            rep.eval(rec)
+            if improved:
+                _write_best(run_dir, model, config, data, t["step"], bpc)
+        t["valid_bpc"] = bpc
+        return bpc
+
+    rep.start({
+        "run": str(run_dir), "parameters": f"{model.num_parameters():,}",
+        "cell": f"{cell.name} ({cell.reason})", "runtime": runtime.describe(),
+        "world size": par.world, "data": f"{data.path} ({data.meta['tokenizer']['kind']}, "
+        f"vocab {data.vocab_size}, {info.tokens:,} train tokens)",
+        "plan": _describe_plan(cfg, total_steps, steps_per_epoch),
+    })
+    if par.is_main:
+        log.write("start", parameters=model.num_parameters(), cell=cell.name, runtime=runtime.describe(),
+                  world_size=par.world, resumed_from=str(latest) if latest else None, step=t["step"])
+
+    params = [p for p in model.parameters()]
+    window_nats, window_tokens, window_t0 = 0.0, 0, time.perf_counter()
+    start_elapsed, start_step, t0 = t["elapsed"], t["step"], time.perf_counter()
+    interrupted = None
+    with _StopFlag() as stop:
+        while True:
+            t["elapsed"] = start_elapsed + time.perf_counter() - t0
+            if _done(cfg, t, steps_per_epoch):
+                break
+            if stop.signal is not None:
+                interrupted = stop.signal
+                break
+            batch = streams.next()
+            x = batch.inputs.to(runtime.device, non_blocking=True)
+            y = batch.targets.to(runtime.device, non_blocking=True)
+            if batch.reset or state is None:
+                state = model.initial_state(x.shape[1], runtime.device)
+            for g in optimizer.param_groups:
+                g["lr"] = sched.lr(t["step"])
+            ddp_model.train()
+            with runtime.autocast():
+                logits, new_state = ddp_model(x, state)
+            loss = token_nll(logits, y) / y.numel()  # mean nats per token, fp32
+            if fault is not None:
+                loss = fault(t["step"], loss)
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.clip if cfg.clip > 0 else math.inf)
+            finite = bool(torch.isfinite(loss).item()) and bool(torch.isfinite(gnorm).item())
+            if finite or scaler.is_enabled():
+                scaler.step(optimizer)  # the fp16 scaler skips non-finite steps itself
+                scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            t["step"] += 1
+            t["epoch"] = streams.progress
+            if finite:
+                t["nonfinite"] = 0
+                state = (new_state[0].detach().float(), new_state[1].detach().float())
+                window_nats += loss.item() * y.numel()
+                window_tokens += y.numel()
+            else:
+                t["nonfinite"] += 1
+                state = None  # the carried state may be poisoned: restart from zero
+                msg = (f"step {t['step']}: non-finite loss or gradient ({loss.item()}), "
+                       f"update skipped ({t['nonfinite']} in a row)")
+                rep.message(msg)
+                if par.is_main:
+                    log.write("nonfinite", step=t["step"], loss=float(loss.item()), grad_norm=float(gnorm))
+                if t["nonfinite"] >= cfg.max_nonfinite:
+                    last = t["last_good"] or "none yet"
+                    raise NonFiniteError(
+                        f"{t['nonfinite']} non-finite losses in a row at step {t['step']}; the last good "
+                        f"checkpoint is {last}; lower --lr or --clip and resume with --resume"
+                    )
+            if par.is_main and finite:
+                log.write("step", step=t["step"], loss=loss.item(), grad_norm=float(gnorm),
+                          lr=optimizer.param_groups[0]["lr"])
+            if t["step"] % cfg.log_every == 0 and window_tokens:
+                now = time.perf_counter()
+                elapsed = start_elapsed + now - t0
+                rec = {
+                    "step": t["step"], "epoch": t["epoch"],
+                    "train_bpc": window_nats / window_tokens / chars_per_token / LN2,
+                    "valid_bpc": t.get("valid_bpc"),
+                    "chars_per_s": window_tokens * par.world * chars_per_token / (now - window_t0),
+                    "lr": optimizer.param_groups[0]["lr"], "elapsed": elapsed,
+                    "eta": _eta(cfg, t, total_steps, elapsed, (now - t0) / (t["step"] - start_step)),
+                    "total_steps": total_steps,
+                }
+                if par.is_main:
+                    log.write("train", **rec)
+                rep.log(rec)
+                window_nats, window_tokens, window_t0 = 0.0, 0, now
+            if t["step"] % cfg.eval_every == 0:
+                validate()
+                save("every --eval-every steps")
+        t["elapsed"] = start_elapsed + time.perf_counter() - t0
+        if interrupted is None:
+            if t["step"] % cfg.eval_every != 0 or t["step"] == 0:
+                validate()
+                save("end of training")
+        else:
+            save("interrupted by " + signal.Signals(interrupted).name)
+    summary = {"step": t["step"], "best_valid_bpc": t["best_bpc"], "elapsed_s": round(t["elapsed"], 1),
+               "run": str(run_dir), "interrupted": signal.Signals(interrupted).name if interrupted else None}
+    if par.is_main:
+        log.write("finish", **summary)
+        log.close()
+    rep.finish(summary)
+    par.close()
+    return summary
+
+
+def _write_best(run_dir: Path, model, config: dict, data: Dataset, step: int, bpc: float) -> None:
+    """best/: the weights with the best valid BPC so far, loadable on their own."""
+    final = run_dir / "best"
+    tmp = ckpt.temp_directory(final)
+    ckpt.write_tensors(tmp / "model.safetensors", model.state_dict())
+    ckpt.write_json(tmp / "config.json", config)
+    ckpt.write_json(tmp / "trainer.json", {"step": step, "valid_bpc": bpc, "best_bpc": bpc})
+    copy_data_files(data, tmp)
+    ckpt.finish_directory(tmp, final, step)
+
+
+def copy_data_files(data: Dataset, dest: Path) -> None:
+    """dataset.json and the tokenizer file, so a checkpoint needs nothing else."""
+    shutil.copyfile(Path(data.path) / "dataset.json", dest / "dataset.json")
+    tok = data.meta["tokenizer"]["file"]
+    shutil.copyfile(Path(data.path) / tok, dest / tok)
+
+
+def _planned_steps(cfg: TrainConfig, steps_per_epoch: int) -> int | None:
+    options = []
+    if cfg.max_steps is not None:
+        options.append(cfg.max_steps)
+    if cfg.epochs is not None:
+        options.append(math.ceil(cfg.epochs * steps_per_epoch))
+    return min(options) if options else None
+
+
+def _done(cfg: TrainConfig, t: dict, steps_per_epoch: int) -> bool:
+    total = _planned_steps(cfg, steps_per_epoch)
+    if total is not None and t["step"] >= total:
+        return True
+    return cfg.time_budget is not None and t["elapsed"] >= cfg.time_budget
+
+
+def _eta(cfg, t, total_steps, elapsed: float, s_per_step: float) -> float | None:
+    """Seconds left: the nearer of the time budget and the planned steps."""
+    etas = []
+    if cfg.time_budget is not None:
+        etas.append(max(cfg.time_budget - elapsed, 0.0))
+    if total_steps is not None:
+        etas.append(s_per_step * max(total_steps - t["step"], 0))
+    return min(etas) if etas else None
+
+
+def _describe_plan(cfg: TrainConfig, total_steps, steps_per_epoch) -> str:
+    parts = [f"batch {cfg.batch_size} x bptt {cfg.bptt}", f"{steps_per_epoch:,} steps/epoch"]
+    if total_steps is not None:
+        parts.append(f"{total_steps:,} steps")
+    if cfg.time_budget is not None:
+        parts.append(f"time budget {cfg.time_budget:.0f}s")
+    if total_steps is None and cfg.time_budget is None:
+        parts.append("until interrupted (no --epochs, --max-steps or --time-budget)")
+    return ", ".join(parts)
+
+
+def read_config(run_dir: Path) -> dict:
+    return json.loads((Path(run_dir) / "config.json").read_text(encoding="utf-8"))
+
