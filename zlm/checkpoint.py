@@ -83,15 +83,32 @@ def finish_directory(tmp: Path, final: Path, step: int | None = None) -> Path:
                 "step": step, "files": files}
     write_json(tmp / MANIFEST, manifest)
     _fsync_dir(tmp)
-    if final.exists():  # e.g. best/: swap the old one out, then delete it
-        old = final.with_name(f".old-{final.name}-{os.getpid()}")
-        os.rename(final, old)
-        os.rename(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
+    if final.exists():  # e.g. best/: swap atomically, then delete the old one
+        if _exchange(tmp, final):
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:  # no renameat2: a short window where only .old-* holds the previous copy
+            old = final.with_name(f".old-{final.name}-{os.getpid()}")
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(tmp, final)
     _fsync_dir(final.parent)
     return final
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two directories (Linux renameat2 RENAME_EXCHANGE); False if unsupported."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    AT_FDCWD, RENAME_EXCHANGE = -100, 2
+    rc = fn(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE)
+    return rc == 0
 
 
 def temp_directory(final: Path) -> Path:
