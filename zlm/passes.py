@@ -76,6 +76,17 @@ def _first_positions(cps: np.ndarray, pos: int, seen: np.ndarray, first: np.ndar
     return found
 
 
+def _may_have_new(piece: str, known: bytes, seen: np.ndarray) -> bool:
+    """Cheap pre-check for pass 1: does `piece` hold a code point not in `seen`?
+
+    Deleting the known ASCII bytes from the UTF-8 (C speed; ASCII bytes never occur
+    inside a multi-byte sequence) leaves the unseen ASCII and all non-ASCII characters,
+    usually a small remainder to look up.
+    """
+    rest = piece.encode("utf-8").translate(None, known)
+    return bool(rest) and not seen[codepoints(rest.decode("utf-8"))].all()
+
+
 def _characters(data: bytes) -> int:
     """Characters in UTF-8 bytes: every byte that is not a continuation byte (10xxxxxx)."""
     if data.isascii():
@@ -117,14 +128,14 @@ class Passes:
         char = self.plan.kind == "char"
         seen = np.zeros(0x110000, dtype=bool)
         first = np.full(0x110000, np.iinfo(np.int64).max, dtype=np.int64) if char else None
-        known = b""  # the ASCII characters in `seen`, as bytes
+        known = b""  # the ASCII characters in `seen`, as bytes to delete
         sample: list[str] = []
         sampled, pos, part_units = 0, 0, []
         for files in self.plan.parts:
             start = pos
             for piece in self.pieces(files, hasher):
                 # Deleting the ASCII characters already seen is a C-speed test for new ones.
-                if char and not (piece.isascii() and not piece.encode().translate(None, known)):
+                if char and _may_have_new(piece, known, seen):
                     if _first_positions(codepoints(piece), pos, seen, first):
                         known = np.flatnonzero(seen[:128]).astype(np.uint8).tobytes()
                 if want_sample and sampled < SAMPLE_CHARS:
