@@ -98,7 +98,7 @@ def load_trainer_state(path, model, optimizer, scaler, streams, sched, runtime, 
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}/trainer.json is unreadable ({e})") from None
     loaded = ckpt.load(path)
-    _load_model(model, loaded.model, path)
+    load_weights(model, loaded.model, path)
     opt_tensors, opt_meta = ckpt.read_tensors(path / "optimizer.safetensors")
     meta = json.loads(opt_meta["zlm.optimizer"])
     optimizer.load_state_dict(ckpt.unflatten_optimizer(opt_tensors, meta))
@@ -125,8 +125,8 @@ def load_trainer_state(path, model, optimizer, scaler, streams, sched, runtime, 
     return t, state
 
 
-def _load_model(model, tensors: dict, path) -> None:
-    """Strict load with a one-line error naming the first mismatch."""
+def load_weights(model, tensors: dict, path) -> None:
+    """Strict load with a one-line error naming the first mismatch (also `zlm.inference`)."""
     own = model.state_dict()
     missing = sorted(set(own) - set(tensors))
     extra = sorted(set(tensors) - set(own))
