@@ -49,6 +49,11 @@ def open_or_prepare(source: str, run_dir: Path, mirror: Path | None, rep: Report
     src = Path(source)
     if src.is_dir() and (src / "dataset.json").exists():
         return Dataset.open(src)
+    from zlm import catalog
+
+    if not src.exists() and source not in catalog.names():
+        raise UsageError(f"{source}: no such file, directory or corpus name; pass a text file, a "
+                         f"DATA_DIR from zlm prepare, or one of {', '.join(catalog.names())}")
     data_dir = run_dir / "data"
     if (data_dir / "dataset.json").exists():
         rep.message(f"using the data already prepared in {data_dir}")
