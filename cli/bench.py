@@ -1,10 +1,92 @@
-"""`zlm bench` (being built)."""
+"""`zlm bench`: cell throughput against torch.nn.LSTM, measured in this process.
+
+Parses options, builds a `zlm.bench.BenchConfig`, calls `zlm.bench.run_bench`, renders:
+a table on a terminal, plain lines when stdout is not a TTY or NO_COLOR is set, one JSON
+object with --json.
+"""
 
 from __future__ import annotations
 
-from zlm.errors import ZlmError
+import json
+import os
+import sys
+from typing import Annotated
+
+import typer
+from zlm.cli.errors import handle_errors
+
+from zlm.bench import IMPLS, BenchConfig, run_bench
 
 
-def command() -> None:
-    """Not built yet."""
-    raise ZlmError("zlm bench is not built yet")
+@handle_errors
+def command(
+    hidden: Annotated[int, typer.Option(help="LSTM units.")] = 512,
+    batch_size: Annotated[int, typer.Option(help="Parallel streams per window.")] = 32,
+    bptt: Annotated[int, typer.Option(help="Timesteps per window.")] = 100,
+    vocab: Annotated[int, typer.Option(help="Vocabulary size of the character LM.")] = 128,
+    device: Annotated[str, typer.Option(help="cpu | cuda.")] = "cpu",
+    repeats: Annotated[int, typer.Option(help="Timed rounds per size (the median is shown).")] = 5,
+    warmup: Annotated[int, typer.Option(help="Untimed calls per implementation first.")] = 2,
+    grid: Annotated[bool, typer.Option(
+        "--grid", help="The standard grid: batch 32 and 128 x hidden 256, 512, 1000, bptt 100, "
+                       "plus batch-1 sampling at hidden 512.")] = False,
+    sample: Annotated[bool, typer.Option(
+        "--sample", help="Also time batch-1 sampling (one character per call) at --hidden.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Characters/s of nn.LSTM, the reference and the fused cell: training and inference."""
+    config = BenchConfig(hidden=hidden, batch_size=batch_size, bptt=bptt, vocab=vocab,
+                         device=device, repeats=repeats, warmup=warmup)
+    rich = sys.stdout.isatty() and not os.environ.get("NO_COLOR") and not as_json
+    if rich:
+        from rich.console import Console
+
+        with Console().status("benchmarking (nn.LSTM, reference, fused, in rotating order)"):
+            result = run_bench(config, grid=grid, sample=sample)
+    else:
+        result = run_bench(config, grid=grid, sample=sample)
+    if as_json:
+        typer.echo(json.dumps(result, indent=2))
+    else:
+        _render(result, rich)
+
+
+def _groups(rows: list[dict]) -> list[tuple[tuple, dict[str, dict]]]:
+    """Rows grouped by (batch, hidden, bptt, phase), in order: {impl: row}."""
+    groups: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        key = (r["batch_size"], r["hidden"], r["bptt"], r["phase"])
+        groups.setdefault(key, {})[r["impl"]] = r
+    return list(groups.items())
+
+
+def _render(result: dict, rich: bool) -> None:
+    head = (f"device {result['device']}, {result['threads']} threads, torch {result['torch']}; "
+            f"fused = {result['fused_cell']}")
+    note = "x = time per character relative to nn.LSTM in this run (lower is faster)"
+    if result.get("load_warning"):
+        note += f"\n{result['load_warning']}"
+    others = [i for i in IMPLS if i != "nn.LSTM"]
+    if not rich:
+        typer.echo(head)
+        for (b, h, t, phase), by in _groups(result["rows"]):
+            ratios = "  ".join(f"{i} x{by[i]['ratio_to_lstm']:.2f}" for i in others)
+            speeds = "  ".join(f"{i} {by[i]['chars_per_s']:,.0f}" for i in IMPLS)
+            typer.echo(f"B={b} H={h} T={t} {phase}: {ratios}  |  chars/s: {speeds}")
+        typer.echo(note)
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="zlm bench", caption=f"{head}\n{note}")
+    for col in ("B", "H", "T", "phase"):
+        table.add_column(col, justify="right" if col != "phase" else "left")
+    for i in others:
+        table.add_column(f"{i} x", justify="right")
+    for i in IMPLS:
+        table.add_column(f"{i} chars/s", justify="right")
+    for (b, h, t, phase), by in _groups(result["rows"]):
+        ratios = [f"{by[i]['ratio_to_lstm']:.2f}" for i in others]
+        speeds = [f"{by[i]['chars_per_s']:,.0f}" for i in IMPLS]
+        table.add_row(str(b), str(h), str(t), phase, *ratios, *speeds)
+    Console().print(table)

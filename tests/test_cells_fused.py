@@ -60,7 +60,7 @@ def test_matches_reference(dtype, masks, shape):
     args, keeps = _inputs(*shape, dtype, masks)
     want = _run(zoneout_lstm_reference, args, keeps)
     got = _run(zoneout_lstm_fused, args, keeps)
-    for name, a, b in zip(NAMES, got, want):
+    for name, a, b in zip(NAMES, got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=TOL[dtype], msg=name)
 
 
@@ -138,7 +138,7 @@ def test_outputs_do_not_alias_the_workspace():
     saved = [t.clone() for t in (y1, h1, c1)]
     args2, _ = _inputs(4, 2, 3, 5, torch.float64, "eval", seed=9)
     zoneout_lstm_fused(*(a.detach() for a in args2), *keeps)
-    for a, b in zip((y1, h1, c1), saved):
+    for a, b in zip((y1, h1, c1), saved, strict=True):
         assert torch.equal(a, b)
 
 
@@ -149,7 +149,7 @@ def test_retain_graph_backward_twice():
     g1 = torch.autograd.grad(loss, args, retain_graph=True)
     zoneout_lstm_fused(*(a.detach() for a in args), *keeps)  # another window in between
     g2 = torch.autograd.grad(loss, args)
-    for a, b in zip(g1, g2):
+    for a, b in zip(g1, g2, strict=True):
         assert torch.equal(a, b)
 
 
@@ -185,7 +185,7 @@ def test_multilayer_model_two_windows(dtype, training):
     tol = dict(rtol=0, atol=TOL[dtype])
     torch.testing.assert_close(l2, l1, **tol)
     torch.testing.assert_close(s2, s1, **tol)
-    for a, b in zip(g2, g1):
+    for a, b in zip(g2, g1, strict=True):
         torch.testing.assert_close(a, b, **tol)
 
 

@@ -17,8 +17,11 @@ How it is fast (the layout haste uses, on the CPU):
 - under no_grad (evaluation, sampling one character at a time) nothing is saved and no
   autograd node is built.
 
-tanh(g) is computed as 2 sigmoid(2 g) - 1 with the g rows of W_hh packed doubled: one
-contiguous sigmoid over all four gates is several times faster than a strided tanh.
+tanh is computed as 2 sigmoid(2 v) - 1 (the g rows of W_hh are packed doubled): one
+contiguous sigmoid over all four gates is several times faster than a strided tanh, and
+torch's CPU tanh runs through MKL's vector library, whose per-call thread split for a few
+thousand elements costs milliseconds when another process holds a core. The gate buffer
+and `sig_c` therefore hold sigmoid(2 g) and sigmoid(2 c~); backward turns them back.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from zlm.cells.fused_backward import backward_through_time
 from zlm.cells.masks import Keep
 from zlm.cells.packed_gemm import recurrent_gemm
 from zlm.cells.workspace import ForwardWorkspace, take_workspace
+
 
 def _double_g_rows(w: Tensor) -> Tensor:
     """W with its g block (rows 2H:3H) doubled, so sigmoid(2 pre_g) comes out of the GEMM."""
@@ -55,8 +59,8 @@ def _forward(x, h0, c0, weight_ih, weight_hh, bias, keep_c: Keep, keep_h: Keep, 
     y = torch.empty(T, B, H, dtype=x.dtype, device=x.device)  # returned: never pooled
     c = ws.c
     c[0].copy_(c0)
-    gi, gf, gg, go = (v.unbind(0) for v in gates.view(T, B, 4, H).unbind(2))  # T x (B, H)
-    g_t, c_t, tc_t, y_t = gates.unbind(0), c.unbind(0), ws.tanh_c.unbind(0), y.unbind(0)
+    gi, gf, sg, go = (v.unbind(0) for v in gates.view(T, B, 4, H).unbind(2))  # T x (B, H)
+    g_t, c_t, sc_t, y_t = gates.unbind(0), c.unbind(0), ws.sig_c.unbind(0), y.unbind(0)
     kc_t = keep_c.unbind(0) if isinstance(keep_c, Tensor) else None
     kh_t = keep_h.unbind(0) if isinstance(keep_h, Tensor) else None
     plain_c = kc_t is None and keep_c == 0.0
@@ -64,21 +68,39 @@ def _forward(x, h0, c0, weight_ih, weight_hh, bias, keep_c: Keep, keep_h: Keep, 
     ct, ht = ws.c_tilde, ws.h_tilde
     h = h0
     for t in range(T):
-        pre = gemm.add(h, g_t[t], ws.pre)  # (B, 4H) = x W_ih^T + b + h W_hh^T
-        torch.sigmoid(pre, out=g_t[t])  # i, f, sigmoid(2 g), o
-        g = gg[t].mul_(2).sub_(1)  # tanh(g) = 2 sigmoid(2 g) - 1
+        pre = gemm.add(h, g_t[t], ws.pre)  # (B, 4H) = x W_ih^T + b + h W_hh^T, g doubled
+        torch.sigmoid(pre, out=g_t[t])  # i, f, s_g = sigmoid(2 g), o
         c_prev = c_t[t]
         ct_ = c_t[t + 1] if plain_c else ct
-        torch.mul(gf[t], c_prev, out=ct_).addcmul_(gi[t], g)  # c~ = f c + i g
-        torch.tanh(ct_, out=tc_t[t])
+        # c~ = f c + i tanh(g) = f c - i + 2 i s_g
+        torch.mul(gf[t], c_prev, out=ct_).sub_(gi[t]).addcmul_(gi[t], sg[t], value=2)
+        s_c = torch.mul(ct_, 2, out=sc_t[t]).sigmoid_()  # s_c = sigmoid(2 c~)
         ht_ = y_t[t] if plain_h else ht
-        torch.mul(go[t], tc_t[t], out=ht_)  # h~ = o tanh(c~)
+        torch.mul(go[t], s_c, out=ht_).mul_(2).sub_(go[t])  # h~ = o tanh(c~) = 2 o s_c - o
         if not plain_c:  # c = d_c c_prev + (1 - d_c) c~
             torch.lerp(ct_, c_prev, kc_t[t] if kc_t else keep_c, out=c_t[t + 1])
         if not plain_h:
             torch.lerp(ht_, h, kh_t[t] if kh_t else keep_h, out=y_t[t])
         h = y_t[t]
     return y, ws
+
+
+def _step(x, h0, c0, weight_ih, weight_hh, bias, keep_c: Keep, keep_h: Keep):
+    """One timestep of inference (a sampler's call, T = 1): a few small fresh tensors,
+    the packed recurrent weight from the cache, no workspace, no per-window setup."""
+    B, H = h0.shape
+    pre = torch.addmm(bias, x[0], weight_ih.t())  # (B, 4H)
+    pre[:, 2 * H : 3 * H].mul_(2)
+    gemm = recurrent_gemm(weight_hh, B, "g2", _double_g_rows, cache=True)
+    s = gemm.add(h0, pre, out=pre).sigmoid_()  # i, f, s_g, o
+    i, f, s_g, o = s.chunk(4, 1)  # (B, H) each
+    c = torch.mul(f, c0).sub_(i).addcmul_(i, s_g, value=2)  # c~ = f c + i tanh(g)
+    h = torch.mul(c, 2).sigmoid_().mul_(o).mul_(2).sub_(o)  # h~ = o tanh(c~)
+    if isinstance(keep_c, Tensor) or keep_c != 0.0:
+        c = torch.lerp(c, c0, keep_c[0] if isinstance(keep_c, Tensor) else keep_c)
+    if isinstance(keep_h, Tensor) or keep_h != 0.0:
+        h = torch.lerp(h, h0, keep_h[0] if isinstance(keep_h, Tensor) else keep_h)
+    return h.unsqueeze(0), h.clone(), c
 
 
 class _ZoneoutLSTMFunction(torch.autograd.Function):
@@ -143,6 +165,8 @@ def zoneout_lstm_fused(
         t.requires_grad for t in (x, h0, c0, weight_ih, weight_hh, bias)
     ):
         # Inference (evaluation, sampling): no autograd node, nothing saved.
+        if x.shape[0] == 1:
+            return _step(x, h0, c0, weight_ih, weight_hh, bias, keep_c, keep_h)
         y, ws = _forward(x, h0, c0, weight_ih, weight_hh, bias, keep_c, keep_h, True)
         return y, y[-1].clone(), ws.c[-1].clone()
     return _ZoneoutLSTMFunction.apply(x, h0, c0, weight_ih, weight_hh, bias, keep_c, keep_h)

@@ -53,10 +53,11 @@ def _factors(ws: ForwardWorkspace, bw: BackwardWorkspace, keep_c: Keep, keep_h: 
     """Fill bw.dgates with A_i, A_f, A_g, A_o and bw.a_c, bw.p, bw.q (all T at once)."""
     T, B, H4 = ws.gates.shape
     H = H4 // 4
-    i, f, g, o = ws.gates.view(T, B, 4, H).unbind(2)  # (T, B, H) each, strided
+    i, f, s_g, o = ws.gates.view(T, B, 4, H).unbind(2)  # (T, B, H) each, strided
     a_i, a_f, a_g, a_o = bw.dgates.view(T, B, 4, H).unbind(2)
-    tc, c_prev = ws.tanh_c, ws.c[:-1]  # (T, B, H)
+    c_prev = ws.c[:-1]  # (T, B, H)
     not_c, not_h = _not(keep_c, bw.not_c), _not(keep_h, bw.not_h)
+    tc = torch.mul(ws.sig_c, 2, out=bw.q).sub_(1)  # tanh(c~), in q until q is due
     a_c = torch.mul(tc, tc, out=bw.a_c).neg_().add_(1).mul_(o)  # o (1 - tanh^2)
     _scale_(a_c, not_h)
     torch.mul(o, o, out=a_o)
@@ -69,9 +70,10 @@ def _factors(ws: ForwardWorkspace, bw: BackwardWorkspace, keep_c: Keep, keep_h: 
         torch.mul(f, not_c, out=bw.p).add_(keep_c)
     torch.mul(f, f, out=a_f)
     torch.sub(f, a_f, out=a_f).mul_(c_prev)  # c_prev f (1 - f)
-    torch.mul(g, g, out=a_g).neg_().add_(1).mul_(i)  # i (1 - g^2)
+    g = torch.mul(s_g, 2, out=a_g).sub_(1)  # tanh(g), in a_g until a_g is due
     torch.mul(i, i, out=a_i)
     torch.sub(i, a_i, out=a_i).mul_(g)  # g i (1 - i)
+    g.square_().neg_().add_(1).mul_(i)  # a_g = i (1 - g^2)
     return not_c
 
 

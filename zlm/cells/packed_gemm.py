@@ -16,7 +16,7 @@ character at a time packs the weights once, not once per character.
 from __future__ import annotations
 
 import weakref
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor

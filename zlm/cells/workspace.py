@@ -23,9 +23,10 @@ _pool: dict[tuple, list] = {}
 class ForwardWorkspace:
     """One window of one layer, forward; `zlm.cells.fused` fills it, backward reads it.
 
-    gates: (T, B, 4H) input projection, then the activations i, f, tanh(g), o per step.
+    gates: (T, B, 4H) input projection, then the activations i, f, s_g, o per step, where
+        s_g = sigmoid(2 g) (tanh(g) = 2 s_g - 1).
     c: (T+1, B, H) zoned cell state; c[0] = c0, c[t+1] after step t.
-    tanh_c: (T, B, H) tanh(c~_t) of the new, not-zoned cell.
+    sig_c: (T, B, H) sigmoid(2 c~_t) of the new, not-zoned cell (tanh(c~) = 2 sig_c - 1).
     c_tilde, h_tilde: (B, H) per-step scratch; pre: (B, 4H) addmm output.
     """
 
@@ -33,7 +34,7 @@ class ForwardWorkspace:
         kw = dict(dtype=dtype, device=device)
         self.gates = torch.empty(T, B, 4 * H, **kw)
         self.c = torch.empty(T + 1, B, H, **kw)
-        self.tanh_c = torch.empty(T, B, H, **kw)
+        self.sig_c = torch.empty(T, B, H, **kw)
         self.c_tilde = torch.empty(B, H, **kw)
         self.h_tilde = torch.empty(B, H, **kw)
         self.pre = torch.empty(B, 4 * H, **kw)
