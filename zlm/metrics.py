@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from zlm.errors import ZlmError
+
 LN2 = math.log(2.0)
 
 
@@ -56,8 +58,12 @@ class MetricsLog:
 
     def write(self, event: str, **values) -> None:
         record = {"event": event, "time": round(time.time(), 3), **values}
-        self._f.write(json.dumps(record, allow_nan=True) + "\n")
-        self._f.flush()
+        try:
+            self._f.write(json.dumps(record, allow_nan=True) + "\n")
+            self._f.flush()
+        except OSError as e:
+            raise ZlmError(f"cannot append to {self.path} ({e.strerror or e}); free disk space "
+                           f"or make the run directory writable, then resume with --resume") from None
 
     def close(self) -> None:
         self._f.close()

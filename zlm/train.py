@@ -23,7 +23,7 @@ from zlm import checkpoint as ckpt
 from zlm import distributed
 from zlm.cells import choose_cell
 from zlm.dataset import Dataset
-from zlm.errors import NonFiniteError, UsageError
+from zlm.errors import NonFiniteError, UsageError, ZlmError
 from zlm.evaluate import EvalProtocol, score_split
 from zlm.metrics import LN2, MetricsLog
 from zlm.model import ModelConfig, ZoneoutLM, token_nll
@@ -148,10 +148,13 @@ def train(
     """
     run_dir = Path(run_dir)
     rep = reporter or Reporter()
-    par = distributed.setup(zero=cfg.zero)
-    runtime = resolve_runtime(cfg.device, cfg.precision, par.local_rank)
+    runtime = resolve_runtime(cfg.device, cfg.precision, distributed.local_rank())
+    par = distributed.setup(runtime.device, zero=cfg.zero)
     if not par.is_main:
         rep = Reporter()
+    if par.restarted and not resume:  # an elastic agent relaunched the job after a failure
+        rep.message(f"elastic restart {distributed.restart_count()}: resuming from the latest checkpoint")
+        resume = True
     if par.is_main:
         check_run_dir(run_dir, resume)
     latest = ckpt.latest_complete(run_dir, warn=rep.message) if resume else None
@@ -184,12 +187,10 @@ def train(
     t = {"step": 0, "elapsed": 0.0, "best_bpc": math.inf, "nonfinite": 0, "last_good": None}
     state = None
     if latest is not None:
-        t, state = load_trainer_state(latest, model, optimizer, scaler, streams, sched, runtime, par)
+        t, state = load_trainer_state(latest, model, optimizer, scaler, streams, sched, runtime, par,
+                                      warn=rep.message)
         rep.message(f"resumed from {latest} at step {t['step']}")
-    if par.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        ckpt.write_json(run_dir / "config.json", config)
-    log = MetricsLog(run_dir / "metrics.jsonl") if par.is_main else None
+    log = _open_run_dir(run_dir, config) if par.is_main else None
 
     def save(reason: str) -> Path | None:
         path = save_training_checkpoint(run_dir, t, model, optimizer, scaler, streams, sched,
@@ -224,7 +225,7 @@ def train(
     rep.start({
         "run": str(run_dir), "parameters": f"{model.num_parameters():,}",
         "cell": f"{cell.name} ({cell.reason})", "runtime": runtime.describe(),
-        "world size": par.world, "data": f"{data.path} ({data.meta['tokenizer']['kind']}, "
+        "processes": par.describe(), "data": f"{data.path} ({data.meta['tokenizer']['kind']}, "
         f"vocab {data.vocab_size}, {info.tokens:,} train tokens)",
         "plan": _describe_plan(cfg, total_steps, steps_per_epoch),
     })
@@ -261,6 +262,10 @@ def train(
             scaler.unscale_(optimizer)
             gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.clip if cfg.clip > 0 else math.inf)
             finite = bool(torch.isfinite(loss).item()) and bool(torch.isfinite(gnorm).item())
+            # One all-reduce: every rank takes the same skip decision (ZeRO's step is a
+            # collective) and rank 0 logs the mean loss over all ranks' streams.
+            loss_sum, n_bad = par.sum([loss.item(), 0.0 if finite else 1.0])
+            finite, loss_value = n_bad == 0, loss_sum / par.world
             if finite or scaler.is_enabled():
                 scaler.step(optimizer)  # the fp16 scaler skips non-finite steps itself
                 scaler.update()
@@ -270,7 +275,7 @@ def train(
             if finite:
                 t["nonfinite"] = 0
                 state = (new_state[0].detach().float(), new_state[1].detach().float())
-                window_nats += loss.item() * y.numel()
+                window_nats += loss_value * y.numel()
                 window_tokens += y.numel()
             else:
                 t["nonfinite"] += 1
@@ -287,7 +292,7 @@ def train(
                         f"checkpoint is {last}; lower --lr or --clip and resume with --resume"
                     )
             if par.is_main and finite:
-                log.write("step", step=t["step"], loss=loss.item(), grad_norm=float(gnorm),
+                log.write("step", step=t["step"], loss=loss_value, grad_norm=float(gnorm),
                           lr=optimizer.param_groups[0]["lr"])
             if t["step"] % cfg.log_every == 0 and window_tokens:
                 now = time.perf_counter()
@@ -325,15 +330,33 @@ def train(
     return summary
 
 
+def _open_run_dir(run_dir: Path, config: dict) -> MetricsLog:
+    """Create RUN_DIR, write config.json, open metrics.jsonl; one-line error if it cannot."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        ckpt.write_json(run_dir / "config.json", config)
+        return MetricsLog(run_dir / "metrics.jsonl")
+    except OSError as e:
+        raise ZlmError(f"cannot write to the run directory {run_dir} ({e.strerror or e}); "
+                       f"make it writable or pass another --out") from None
+
+
 def _write_best(run_dir: Path, model, config: dict, data: Dataset, step: int, bpc: float) -> None:
     """best/: the weights with the best valid BPC so far, loadable on their own."""
     final = run_dir / "best"
-    tmp = ckpt.temp_directory(final)
-    ckpt.write_tensors(tmp / "model.safetensors", model.state_dict())
-    ckpt.write_json(tmp / "config.json", config)
-    ckpt.write_json(tmp / "trainer.json", {"step": step, "valid_bpc": bpc, "best_bpc": bpc})
-    copy_data_files(data, tmp)
-    ckpt.finish_directory(tmp, final, step)
+    tmp = None
+    try:
+        tmp = ckpt.temp_directory(final)
+        ckpt.write_tensors(tmp / "model.safetensors", model.state_dict())
+        ckpt.write_json(tmp / "config.json", config)
+        ckpt.write_json(tmp / "trainer.json", {"step": step, "valid_bpc": bpc, "best_bpc": bpc})
+        copy_data_files(data, tmp)
+        ckpt.finish_directory(tmp, final, step)
+    except OSError as e:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise ZlmError(f"could not write {final} ({e.strerror or e}); free disk space or make the run "
+                       f"directory writable, then resume with --resume; the previous best/ is untouched") from None
 
 
 def copy_data_files(data: Dataset, dest: Path) -> None:
