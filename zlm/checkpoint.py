@@ -19,6 +19,7 @@ only ever read with safetensors.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -59,16 +60,29 @@ def _sha256(path: Path) -> str:
 
 
 def write_json(path: Path, obj) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, sort_keys=True, allow_nan=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
+    """Write JSON atomically: a temporary file, fsynced, renamed over `path`."""
+    path = Path(path)
+    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=2, sort_keys=True, allow_nan=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
 
 
 def write_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict | None = None) -> None:
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-    save_file(tensors, str(path), metadata=metadata)
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as e:  # an I/O failure inside the Rust writer: surface it as OSError
+        m = re.search(r"os error (\d+)", str(e))
+        code = int(m.group(1)) if m else errno.EIO
+        raise OSError(code, os.strerror(code), str(path)) from None
     with open(path, "rb") as f:
         os.fsync(f.fileno())
 
@@ -126,7 +140,10 @@ def clean_temporaries(parent: Path) -> None:
     if parent.is_dir():
         for p in parent.iterdir():
             if p.name.startswith((".tmp-", ".old-")):
-                shutil.rmtree(p, ignore_errors=True)
+                if p.is_dir():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    p.unlink(missing_ok=True)
 
 
 def verify(path: Path, deep: bool = True) -> dict:
@@ -212,7 +229,10 @@ def prune(run_dir: Path, keep_last: int) -> None:
     """Keep the newest `keep_last` step directories."""
     dirs = step_dirs(run_dir)
     for p in dirs[: max(len(dirs) - keep_last, 0)]:
-        shutil.rmtree(p, ignore_errors=True)
+        # Rename first: a deletion cut short leaves a .old-* leftover, never a torn step-*.
+        doomed = p.with_name(f".old-{p.name}-{os.getpid()}")
+        os.rename(p, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
 
 
 def resolve(path: Path) -> Path:
