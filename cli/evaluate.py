@@ -1,10 +1,86 @@
-"""`zlm evaluate` (being built)."""
+"""`zlm eval RUN_OR_CHECKPOINT`: parse options, call `zlm.evaluate.evaluate`, render.
+
+Prints BPC (bits per character of the original text), bits per byte where it differs,
+perplexity per token and per character, token and character counts, speed, and the
+protocol; `--json` prints the same as one JSON object.
+"""
 
 from __future__ import annotations
 
-from zlm.errors import ZlmError
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from zlm.cli.errors import handle_errors
+
+from zlm.errors import UsageError
+from zlm.evaluate import EvalConfig, EvalResult, evaluate
 
 
-def command() -> None:
-    """Not built yet."""
-    raise ZlmError("zlm evaluate is not built yet")
+@handle_errors
+def command(
+    run: Annotated[Path, typer.Argument(
+        help="A RUN_DIR (its best/, else its latest complete checkpoint) or a checkpoint "
+             "directory.", metavar="RUN_OR_CHECKPOINT", show_default=False)],
+    split: Annotated[str | None, typer.Option(
+        help="valid | test: a split of the DATA_DIR the model was trained on "
+             "[default: valid].", show_default=False)] = None,
+    file: Annotated[Path | None, typer.Option(
+        "--file", help="Score this UTF-8 text file instead of a split.",
+        show_default=False)] = None,
+    batch_size: Annotated[int, typer.Option(
+        help="Parallel streams the text is cut into (each starts from a zero state).")] = 16,
+    bptt: Annotated[int, typer.Option(
+        help="Window length in tokens; the state is carried across windows.")] = 256,
+    device: Annotated[str, typer.Option(help="auto | cpu | cuda.")] = "auto",
+    unknown: Annotated[str, typer.Option(
+        help="--file characters outside a char vocabulary: error | replace (U+FFFD, if "
+             "the vocabulary has it).")] = "error",
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Bits per character of a split or a text file, state carried across the whole text."""
+    if split is not None and file is not None:
+        raise UsageError("pass --split or --file, not both")
+    config = EvalConfig(split=None if file is not None else (split or "valid"), file=file,
+                        streams=batch_size, bptt=bptt, unknown=unknown, device=device)
+    result = evaluate(run, config)
+    if as_json:
+        typer.echo(json.dumps(result.to_dict()))
+    else:
+        _render(result, sys.stdout.isatty() and not os.environ.get("NO_COLOR"))
+
+
+def _rows(r: EvalResult) -> list[tuple[str, str]]:
+    s = r.score
+    rows = [("BPC", f"{s.bpc:.4f} bits/character"),
+            ("characters", f"{s.characters:,}")]
+    if s.bytes != s.characters:
+        rows.append(("bits per byte", f"{s.bits_per_byte:.4f} bits/byte over {s.bytes:,} bytes"))
+    rows += [("perplexity", f"{s.perplexity:.4f} per token ({r.tokenizer} tokens)"),
+             ("char perplexity", f"{s.char_perplexity:.4f} per character"),
+             ("tokens", f"{s.tokens:,}"),
+             ("speed", f"{r.chars_per_s:,.0f} characters/s ({r.seconds:.2f} s)"),
+             ("protocol", r.protocol),
+             ("source", r.source),
+             ("checkpoint", r.checkpoint)]
+    return rows
+
+
+def _render(result: EvalResult, rich: bool) -> None:
+    rows = _rows(result)
+    if not rich:
+        for key, value in rows:
+            typer.echo(f"{key}: {value}")
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(show_header=False, box=None)
+    table.add_column(style="bold")
+    table.add_column()
+    for key, value in rows:
+        table.add_row(key, value)
+    Console().print(table)

@@ -1,10 +1,86 @@
-"""`zlm info` (being built)."""
+"""`zlm info RUN_OR_CHECKPOINT`: parse options, call `zlm.info.describe`, render.
+
+Reads JSON and the safetensors header only, never the tensors.
+"""
 
 from __future__ import annotations
 
-from zlm.errors import ZlmError
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from zlm.cli.errors import handle_errors
+
+from zlm.info import describe
 
 
-def command() -> None:
-    """Not built yet."""
-    raise ZlmError("zlm info is not built yet")
+@handle_errors
+def command(
+    run: Annotated[Path, typer.Argument(
+        help="A RUN_DIR (its best/, else its latest complete checkpoint) or a checkpoint "
+             "directory.", metavar="RUN_OR_CHECKPOINT", show_default=False)],
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Model config, parameter count, tokenizer, step, best BPC and files, without loading tensors."""
+    info = describe(run)
+    if as_json:
+        typer.echo(json.dumps(info))
+        return
+    rich = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+    _render(info, rich)
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:,} B" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _bpc(x) -> str:
+    return "n/a" if x is None else f"{x:.4f}"
+
+
+def _rows(info: dict) -> list[tuple[str, str]]:
+    m, tok = info["model"], info["tokenizer"]
+    rows = [
+        ("checkpoint", info["checkpoint"]),
+        ("model", f"{m['layers']} x {m['hidden']} zoneout LSTM, embed {m['embed']}, "
+                  f"zoneout c {m['zoneout_cell']} h {m['zoneout_hidden']}, dropout {m['dropout']}"),
+        ("parameters", f"{info['parameters']:,} ({', '.join(info['dtypes'])})"),
+        ("tokenizer", f"{tok['kind']}, vocabulary {tok['vocab_size']}"),
+        ("step", str(info["step"])),
+        ("best valid BPC", _bpc(info["best_valid_bpc"])),
+    ]
+    if "run" in info:
+        run = info["run"]
+        rows.append(("run", f"{run['dir']}: {len(run['checkpoints'])} step checkpoints, "
+                            f"latest step {run['latest_step']}"))
+    if info["data"]:
+        rows.append(("data", info["data"]))
+    if info["mismatches"]:
+        rows.append(("WARNING", "tensors do not match config.json: " + "; ".join(info["mismatches"][:3])))
+    for f in info["files"]:
+        rows.append((f"  {f['name']}", _size(f["bytes"])))
+    return rows
+
+
+def _render(info: dict, rich: bool) -> None:
+    rows = _rows(info)
+    if not rich:
+        for key, value in rows:
+            typer.echo(f"{key}: {value}" if not key.startswith("  ") else f"{key}  {value}")
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(show_header=False, box=None)
+    table.add_column(style="bold")
+    table.add_column()
+    for key, value in rows:
+        table.add_row(key, value)
+    Console().print(table)

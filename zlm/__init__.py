@@ -5,3 +5,13 @@ The library is generic and has no command-line dependencies: the Typer app lives
 """
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """`zlm.load(path)` (zlm.inference.load), imported on first use so that `import zlm`
+    stays free of torch."""
+    if name == "load":
+        from zlm.inference import load
+
+        return load
+    raise AttributeError(f"module 'zlm' has no attribute {name!r}")

@@ -1,39 +1,72 @@
-"""Bits per character of a token array, with the LSTM state carried across the text.
+"""Bits per character of a text or a split, with the LSTM state carried across it.
+
+Owns the evaluation protocol (`EvalProtocol`), the scoring loop shared with training's
+validation (`score_predictions`, `score_split`), and `zlm eval`'s library function
+(`EvalConfig` -> `evaluate` -> `EvalResult`).
 
 Protocol (printed with every result): the text's N tokens give N-1 predictions. They
 are cut into S contiguous streams of L = (N-1) // S predictions, evaluated in parallel
 in windows of `bptt` tokens with the state carried from window to window and never
 reset; the last stream then continues, state carried, over the remaining (N-1) - S*L
-predictions. Every prediction is counted exactly once. Each stream starts from a zero
-state, so more streams mean more cold starts: S streams cost roughly S times the excess
-loss of the first ~100 characters; on a 300k-character split with S = 16 that is below
-0.005 BPC (tests/test_evaluate.py measures it). Under DDP the streams are divided among
-ranks and the sums are all-reduced, so the result does not depend on the world size.
+predictions. Every prediction is counted exactly once. A split's first token is context
+only (it continues the previous split); a text (`--file`, `evaluate_text`) is preceded
+by one newline token as context, so every one of its characters is predicted and char,
+byte and subword models of the same text are scored over the same character count.
+
+Each stream starts from a zero state, so more streams mean more cold starts: each extra
+stream adds the excess loss of its first ~100 characters. Measured on tiny Shakespeare's
+valid split (55,769 characters) with a 1 x 256 model at 2.79 BPC: 5-7 bits per extra
+stream in total, i.e. S = 16 adds 0.0013 BPC over S = 1, S = 64 adds 0.0065 and S = 128
+adds 0.015. A better model leans on longer context and pays more per cold start, so the
+documented bound (`cold_start_bound`, checked by tests/test_evaluate.py) is 50 bits per
+extra stream: S = 16 on a 300k-character split costs at most 0.0025 BPC. For the exact
+single-stream number pass --batch-size 1.
+Under DDP the streams are divided among ranks and the sums are all-reduced, so the
+result does not depend on the world size.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from zlm.errors import DataError, UsageError
 from zlm.metrics import Score
 from zlm.model import ZoneoutLM, token_nll
 from zlm.precision import Runtime
 
+COLD_START_BITS = 50.0  # bound on the total excess bits of one extra stream's cold start
+
+
+def cold_start_bound(streams: int, characters: int) -> float:
+    """The most BPC that `streams` parallel streams may add over one stream on a text of
+    `characters` characters: COLD_START_BITS per extra stream, spread over the text."""
+    return COLD_START_BITS * max(streams - 1, 0) / max(characters, 1)
+
 
 @dataclass(frozen=True)
 class EvalProtocol:
-    """How a split is cut into streams and windows."""
+    """How a text is cut into streams and windows."""
 
-    streams: int = 16  # parallel streams S (fewer if the text is short)
-    bptt: int = 256  # window length; the state is carried across windows
+    streams: int = 16  # parallel streams S (fewer if the text is short); --batch-size
+    bptt: int = 256  # window length; the state is carried across windows; --bptt
 
-    def describe(self, n_predictions: int) -> str:
+    def __post_init__(self):
+        if self.streams < 1:
+            raise UsageError(f"--batch-size (parallel streams) must be >= 1, got {self.streams}")
+        if self.bptt < 1:
+            raise UsageError(f"--bptt must be >= 1, got {self.bptt}")
+
+    def describe(self, n_predictions: int, context: str = "") -> str:
         S = self.streams_for(n_predictions)
+        what = f"; {context}" if context else ""
         return (f"{S} parallel streams of {n_predictions // S:,} predictions, state carried "
-                f"across {self.bptt}-token windows, never reset; {n_predictions:,} predictions")
+                f"across {self.bptt}-token windows, never reset; {n_predictions:,} predictions"
+                f"{what}")
 
     def streams_for(self, n_predictions: int) -> int:
         return max(1, min(self.streams, n_predictions))
@@ -106,3 +139,155 @@ def score_split(model, tokens, tokenizer, characters: int, n_bytes: int, runtime
         characters=max(characters - len(first), 0),
         bytes=max(n_bytes - len(first.encode("utf-8", "replace")), 0),
     )
+
+
+# ------------------------------------------------------------------ texts and splits
+
+
+def score_text(lm, text: str, protocol: EvalProtocol = EvalProtocol(1),
+               unknown: str = "error") -> Score:
+    """Score every character of `text`, preceded by one newline token as context.
+
+    lm: a `zlm.inference.LanguageModel`. Characters outside a char vocabulary raise
+    DataError naming the first one and its position, or map to U+FFFD with
+    unknown="replace" (byte and sentencepiece tokenizers never fail).
+    """
+    from zlm.inference import context_ids
+
+    ids = lm.tokenizer.encode(text, unknown=unknown)  # (N,) int64
+    ctx = context_ids(lm.tokenizer)
+    if ctx is None:  # no newline in the vocabulary: the first token is the context
+        return score_split(lm.model, ids, lm.tokenizer, len(text), len(text.encode("utf-8")),
+                           lm.runtime, protocol)
+    tokens = np.concatenate([ctx.numpy()[-1:], ids])  # (N+1,)
+    nats, count = score_predictions(lm.model, tokens, lm.runtime, protocol)
+    return Score(nats=float(nats), tokens=int(count), characters=len(text),
+                 bytes=len(text.encode("utf-8")))
+
+
+def open_training_data(lm):
+    """The DATA_DIR a checkpoint was trained on, checked to use the checkpoint's tokenizer."""
+    from zlm.dataset import Dataset
+
+    path = lm.data_path
+    if path is None or not (path / "dataset.json").is_file():
+        raise DataError(
+            f"the training data {path or '(not recorded)'} named in {lm.path}/config.json is "
+            "gone; evaluate a text file instead with --file TEXT")
+    data = Dataset.open(path)
+    name = data.meta["tokenizer"].get("file", "tokenizer.json")
+    ours = lm.path / name
+    if not ours.is_file() or ours.read_bytes() != (data.path / name).read_bytes():
+        raise DataError(
+            f"{path} was re-prepared with a different tokenizer than {lm.path} was trained "
+            "with; evaluate a text file instead with --file TEXT")
+    return data
+
+
+def score_data_split(lm, split: str, protocol: EvalProtocol = EvalProtocol()) -> Score:
+    """Score a split of the training DATA_DIR (its first token is context only)."""
+    data = open_training_data(lm)
+    info = data.split_info(split)
+    return score_split(lm.model, data.tokens(split), data.tokenizer, info.characters,
+                       info.bytes, lm.runtime, protocol)
+
+
+# ------------------------------------------------------------------------- zlm eval
+
+SPLIT_NAMES = ("train", "valid", "test")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """What `zlm eval` scores, and how."""
+
+    split: str | None = "valid"  # a split of the training DATA_DIR, or None with `file`
+    file: Path | None = None  # a UTF-8 text file scored instead of a split
+    streams: int = 16  # parallel streams (--batch-size)
+    bptt: int = 256  # window length (--bptt)
+    unknown: str = "error"  # error | replace: characters of `file` outside a char vocabulary
+    device: str = "auto"
+    precision: str = "fp32"  # exact by default; auto/bf16/fp16 autocast the forward pass
+    cell: str = "auto"  # auto | fused | reference
+
+    def __post_init__(self):
+        if (self.split is None) == (self.file is None):
+            raise UsageError("pass one of --split or --file, not both")
+        if self.split is not None and self.split not in SPLIT_NAMES:
+            raise UsageError(f"--split {self.split} is not a split; use valid, test or train")
+        if self.unknown not in ("error", "replace"):
+            raise UsageError(f"--unknown {self.unknown} is not a policy; use error or replace")
+        EvalProtocol(self.streams, self.bptt)  # checks --batch-size and --bptt
+
+    @property
+    def protocol(self) -> EvalProtocol:
+        return EvalProtocol(self.streams, self.bptt)
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """A score with everything needed to reproduce and read it."""
+
+    score: Score
+    protocol: str  # EvalProtocol.describe(...)
+    source: str  # "valid split of DATA_DIR" or the file's path
+    checkpoint: str
+    tokenizer: str  # tokenizer kind
+    seconds: float
+    split: str | None = None
+    file: str | None = None
+
+    @property
+    def chars_per_s(self) -> float:
+        return self.score.characters / max(self.seconds, 1e-9)
+
+    def to_dict(self) -> dict:
+        s = self.score
+        return {
+            "bpc": s.bpc, "bits_per_byte": s.bits_per_byte, "perplexity": s.perplexity,
+            "char_perplexity": s.char_perplexity, "nats": s.nats, "tokens": s.tokens,
+            "characters": s.characters, "bytes": s.bytes, "chars_per_s": self.chars_per_s,
+            "seconds": self.seconds, "protocol": self.protocol, "source": self.source,
+            "checkpoint": self.checkpoint, "tokenizer": self.tokenizer, "split": self.split,
+            "file": self.file,
+        }
+
+
+def read_text_file(path: Path) -> str:
+    """A UTF-8 text file, or a one-line error."""
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"--file {path} does not exist; pass a UTF-8 text file")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"--file {path} is not UTF-8 text (byte {e.start}); convert it to "
+                        "UTF-8") from None
+
+
+def evaluate_loaded(lm, config: EvalConfig) -> EvalResult:
+    """Score `config`'s split or file with a loaded `LanguageModel`."""
+    protocol = config.protocol
+    t0 = time.perf_counter()
+    if config.file is not None:
+        text = read_text_file(config.file)
+        score = score_text(lm, text, protocol, config.unknown)
+        source, context = str(config.file), "the text is preceded by one newline as context"
+    else:
+        score = score_data_split(lm, config.split, protocol)
+        source = f"{config.split} split of {lm.data_path}"
+        context = "the split's first token is context"
+    seconds = time.perf_counter() - t0
+    return EvalResult(score, protocol.describe(score.tokens, context), source, str(lm.path),
+                      lm.tokenizer.kind, seconds, config.split,
+                      None if config.file is None else str(config.file))
+
+
+def evaluate(path, config: EvalConfig = EvalConfig()) -> EvalResult:
+    """`zlm eval`: load a RUN_DIR or checkpoint and score a split or a text file."""
+    from zlm.inference import load
+
+    if config.file is not None and not Path(config.file).is_file():  # before loading the model
+        raise UsageError(f"--file {config.file} does not exist; pass a UTF-8 text file")
+    lm = load(path, config.device, config.precision, config.cell)
+    return evaluate_loaded(lm, config)

@@ -1,0 +1,144 @@
+"""zlm.sample: the lean step against the model, seeds, greedy, truncation, likelihoods."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from zlm.cells import choose_cell
+from zlm.errors import UsageError
+from zlm.inference import LanguageModel
+from zlm.model import ModelConfig, ZoneoutLM, token_nll
+from zlm.precision import resolve_runtime
+from zlm.sample import SampleConfig, Stepper, generate, sample_text
+from zlm.tokenizers import ByteTokenizer, CharTokenizer, train_tokenizer
+
+CHARS = list("abcdefghijklmnopqrstuvwxyz ,.:\n")
+
+
+def make_lm(tokenizer=None, layers=1, cell="auto", **kw) -> LanguageModel:
+    tok = tokenizer or CharTokenizer(CHARS)
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=tok.vocab_size, hidden=24, embed=8, layers=layers, **kw)
+    choice = choose_cell(cell)
+    model = ZoneoutLM(cfg, choice.fn)
+    with torch.no_grad():  # sharper than the init, so greedy and top-k are not all ties
+        model.decoder.weight.mul_(8)
+    return LanguageModel(model.eval(), tok, resolve_runtime("cpu"), None, {}, choice)
+
+
+@pytest.mark.parametrize("layers", [1, 3])
+@pytest.mark.parametrize("zoneout", [(0.5, 0.05), (0.0, 0.0)])
+def test_step_matches_the_models_forward(layers, zoneout):
+    lm = make_lm(layers=layers, zoneout_cell=zoneout[0], zoneout_hidden=zoneout[1], dropout=0.1)
+    model = lm.model
+    tokens = torch.randint(0, model.config.vocab_size, (40, 3))  # (T, B)
+    with torch.no_grad():
+        h0 = torch.randn(layers, 3, 24) * 0.5
+        c0 = torch.randn(layers, 3, 24) * 0.5
+        ref, (hT, cT) = model(tokens, (h0, c0))  # (T, B, V)
+        step = Stepper(model, 3)
+        step.set_state(h0, c0)
+        got = torch.stack([step(tokens[t]).clone() for t in range(40)])
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(step.h, hT, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(step.c, cT, atol=1e-5, rtol=1e-5)
+
+
+def test_same_seed_same_text_and_batches():
+    lm = make_lm()
+    a = generate(lm, SampleConfig(length=60, prime="the ", seed=5))
+    b = generate(lm, SampleConfig(length=60, prime="the ", seed=5))
+    c = generate(lm, SampleConfig(length=60, prime="the ", seed=6))
+    assert a == b and a[0].text != c[0].text
+    many = generate(lm, SampleConfig(length=60, prime="the ", seed=5, num_samples=4))
+    assert len(many) == 4 and all(len(s.text) == 60 for s in many)
+    assert len({s.text for s in many}) == 4
+    assert many == generate(lm, SampleConfig(length=60, prime="the ", seed=5, num_samples=4))
+
+
+def test_greedy_equals_a_slow_argmax_rollout_and_top_k_1():
+    lm = make_lm(layers=2)
+    prime = "once upon a time"
+    greedy = generate(lm, SampleConfig(length=30, prime=prime, temperature=0))[0].text
+    ids = [int(i) for i in lm.tokenizer.encode(prime)]
+    with torch.no_grad():  # re-runs the whole prefix every step: slow but obviously right
+        for _ in range(30):
+            logits, _ = lm.model(torch.tensor(ids)[:, None])
+            ids.append(int(logits[-1, 0].argmax()))
+    assert greedy == lm.tokenizer.decode(ids[len(prime):])
+    top1 = generate(lm, SampleConfig(length=30, prime=prime, top_k=1, seed=3))[0].text
+    tiny_p = generate(lm, SampleConfig(length=30, prime=prime, top_p=1e-6, seed=4))[0].text
+    assert top1 == tiny_p == greedy
+
+
+def test_top_k_draws_only_among_the_k_most_likely(monkeypatch):
+    lm = make_lm()
+    seen = []
+    real = torch.multinomial
+
+    def spy(probs, n, generator=None):
+        seen.append(probs.clone())
+        return real(probs, n, generator=generator)
+
+    monkeypatch.setattr(torch, "multinomial", spy)
+    generate(lm, SampleConfig(length=20, top_k=3, seed=0))
+    generate(lm, SampleConfig(length=20, top_p=0.5, seed=0))
+    assert all(int((p > 0).sum()) <= 3 for p in seen[:20])
+    assert all(float(p.max()) > 0 for p in seen[20:])
+
+
+def test_the_prefix_is_never_rerun(monkeypatch):
+    lm = make_lm()
+    calls = []
+    forward = lm.model.forward
+
+    def counting(tokens, state=None):
+        calls.append(tuple(tokens.shape))
+        return forward(tokens, state)
+
+    monkeypatch.setattr(lm.model, "forward", counting)
+    generate(lm, SampleConfig(length=50, prime="abc abc", seed=0, num_samples=2))
+    assert calls == [(7, 1)]  # the prime once; every later step goes through the Stepper
+
+
+def test_log_likelihood_is_the_models_own():
+    lm = make_lm()
+    s = generate(lm, SampleConfig(length=40, prime="hello", temperature=0.7, top_k=5, seed=1))[0]
+    ids = torch.from_numpy(lm.tokenizer.encode("hello" + s.text))[:, None]
+    with torch.no_grad():
+        logits, _ = lm.model(ids[:-1])
+        nats = float(token_nll(logits[4:], ids[5:]))  # the 40 generated tokens only
+    assert s.nats == pytest.approx(nats, rel=1e-5)
+    assert s.log_likelihood_per_token == pytest.approx(-nats / 40, rel=1e-5)
+    assert s.bits_per_char == pytest.approx(nats / 40 / math.log(2), rel=1e-5)
+
+
+def test_streaming_pieces_add_up_to_the_sample():
+    lm = make_lm()
+    pieces = []
+    s = generate(lm, SampleConfig(length=25, prime="ab", seed=2), on_text=pieces.append)[0]
+    assert pieces[0] == "ab" and len(pieces) == 26
+    assert "".join(pieces) == "ab" + s.text == sample_text(lm, SampleConfig(length=25, prime="ab", seed=2))
+
+
+def test_prime_outside_the_vocabulary():
+    lm = make_lm()
+    with pytest.raises(UsageError, match=r"--prime: character 'Q' \(U\+0051\) at character 2"):
+        generate(lm, SampleConfig(length=5, prime="abQ"))
+    byte_lm = make_lm(ByteTokenizer())
+    out = generate(byte_lm, SampleConfig(length=5, prime="naïve ☃", seed=0))[0]
+    assert out.prime == "naïve ☃" and out.tokens == 5
+    sp = train_tokenizer("bpe", "the cat sat on the mat.\n" * 50, vocab_size=300)
+    sp_lm = make_lm(sp)
+    out = generate(sp_lm, SampleConfig(length=5, prime="zebra ☃ qué", seed=0))[0]  # byte fallback
+    assert out.tokens == 5
+
+
+@pytest.mark.parametrize("bad", [dict(length=0), dict(temperature=-1), dict(top_k=-2),
+                                 dict(top_p=0.0), dict(top_p=1.5), dict(num_samples=0)])
+def test_config_is_checked(bad):
+    with pytest.raises(UsageError):
+        SampleConfig(**bad)

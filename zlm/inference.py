@@ -1,0 +1,161 @@
+"""The Python API: a checkpoint loaded into a ready model, tokenizer and runtime.
+
+Owns `load(path)` and `LanguageModel`, what `zlm eval`, `zlm sample` and user code share:
+
+    lm = zlm.load("runs/shakespeare")          # RUN_DIR (best/, else latest) or checkpoint
+    lm.evaluate_text("To be, or not to be")    # -> zlm.metrics.Score (bpc, perplexity, ...)
+    lm.evaluate_split("test")                  # the split of the DATA_DIR it was trained on
+    lm.sample(prime="ROMEO:", length=200, temperature=0.8, seed=1)   # -> str
+
+Loading verifies the manifest (sizes and SHA-256), builds the model from config.json
+and loads the tensors strictly, so a checkpoint whose config and tensors disagree is a
+one-line `CheckpointError` even when its manifest was rewritten to match. The model is
+left in eval mode: zoneout uses its expectation, dropout is off.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from zlm import checkpoint as ckpt
+from zlm.cells import CellChoice, choose_cell
+from zlm.errors import CheckpointError, ZlmError
+from zlm.metrics import Score
+from zlm.model import ModelConfig, ZoneoutLM
+from zlm.precision import Runtime, resolve_runtime
+from zlm.tokenizers import Tokenizer, load_tokenizer
+from zlm.trainstate import load_weights
+
+
+@dataclass
+class LanguageModel:
+    """A loaded checkpoint: model (eval mode, on runtime.device), tokenizer, and provenance."""
+
+    model: ZoneoutLM
+    tokenizer: Tokenizer
+    runtime: Runtime
+    path: Path  # the checkpoint directory actually loaded (e.g. RUN_DIR/best)
+    config: dict  # config.json: {"model", "train", "data", ...}
+    cell: CellChoice
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.model.config
+
+    @property
+    def data_path(self) -> Path | None:
+        """The DATA_DIR the model was trained on, as recorded in config.json."""
+        p = self.config.get("data", {}).get("path")
+        return Path(p) if p else None
+
+    def evaluate_text(self, text: str, *, streams: int = 1, bptt: int = 256,
+                      unknown: str = "error") -> Score:
+        """BPC of `text` (every character predicted; a newline is the context).
+
+        One stream by default: a short text is best scored from one cold start.
+        """
+        from zlm.evaluate import EvalProtocol, score_text
+
+        return score_text(self, text, EvalProtocol(streams, bptt), unknown)
+
+    def evaluate_split(self, split: str = "valid", *, streams: int = 16,
+                       bptt: int = 256) -> Score:
+        """BPC of a split of the training DATA_DIR (the protocol `zlm train` validates with)."""
+        from zlm.evaluate import EvalProtocol, score_data_split
+
+        return score_data_split(self, split, EvalProtocol(streams, bptt))
+
+    def sample(self, prime: str = "", length: int = 200, *, temperature: float = 1.0,
+               top_k: int | None = None, top_p: float | None = None,
+               seed: int | None = None) -> str:
+        """prime + `length` generated tokens (characters for a char model), as text."""
+        from zlm.sample import SampleConfig, sample_text
+
+        return sample_text(self, SampleConfig(length=length, prime=prime, temperature=temperature,
+                                              top_k=top_k, top_p=top_p, seed=seed))
+
+    def samples(self, prime: str = "", length: int = 200, num_samples: int = 1, **options):
+        """`num_samples` continuations generated as one batch -> list of `zlm.sample.Sample`."""
+        from zlm.sample import SampleConfig, generate
+
+        return generate(self, SampleConfig(length=length, prime=prime, num_samples=num_samples,
+                                           **options))
+
+    def __repr__(self) -> str:
+        c = self.model_config
+        return (f"LanguageModel({str(self.path)!r}, {self.tokenizer.kind} vocab {c.vocab_size}, "
+                f"{c.layers}x{c.hidden}, {self.runtime.describe()}, cell {self.cell.name})")
+
+
+def read_json(path: Path, what: str) -> dict:
+    """A JSON object from a checkpoint file, or a one-line CheckpointError."""
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is unreadable ({e.__class__.__name__}); the {what} is "
+                              "damaged: use another checkpoint") from None
+    if not isinstance(doc, dict):
+        raise CheckpointError(f"{path} is not a JSON object; the {what} is damaged: use "
+                              "another checkpoint")
+    return doc
+
+
+def model_config_of(config: dict, path: Path) -> ModelConfig:
+    """config.json's "model" object -> ModelConfig, or a CheckpointError naming the problem."""
+    try:
+        return ModelConfig(**config["model"])
+    except (KeyError, TypeError) as e:
+        raise CheckpointError(f"{path}/config.json has no usable model config ({e}); "
+                              "the checkpoint is damaged: use another one") from None
+    except ZlmError as e:
+        raise CheckpointError(f"{path}/config.json has an invalid model config ({e}); "
+                              "the checkpoint is damaged: use another one") from None
+
+
+def load(path, device: str = "auto", precision: str = "fp32", cell: str = "auto") -> LanguageModel:
+    """Load a RUN_DIR (its best/, else latest complete checkpoint) or a checkpoint directory.
+
+    precision: fp32 by default, so evaluation is exact; "auto"/"bf16"/"fp16" autocast the
+    evaluation forward pass. cell: auto | fused | reference (all give the same numbers).
+    """
+    runtime = resolve_runtime(device, precision)
+    loaded = ckpt.load(path)  # resolves, verifies the manifest deeply, reads the tensors
+    config = loaded.config
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{loaded.path}/config.json is not a JSON object; use another checkpoint")
+    model_cfg = model_config_of(config, loaded.path)
+    meta = read_json(loaded.path / "dataset.json", "dataset description")
+    tok_meta = meta.get("tokenizer") or config.get("data", {}).get("tokenizer")
+    if not isinstance(tok_meta, dict):
+        raise CheckpointError(f"{loaded.path}/dataset.json names no tokenizer; use another checkpoint")
+    try:
+        tokenizer = load_tokenizer(loaded.path, tok_meta)
+    except ZlmError as e:
+        raise CheckpointError(f"{loaded.path}: its tokenizer does not load ({e})") from None
+    if tokenizer.vocab_size != model_cfg.vocab_size:
+        raise CheckpointError(
+            f"{loaded.path}: the tokenizer has {tokenizer.vocab_size} entries but the model "
+            f"{model_cfg.vocab_size}; the checkpoint is inconsistent: use another one")
+    choice = choose_cell(cell, runtime.device)
+    model = ZoneoutLM(model_cfg, choice.fn)
+    load_weights(model, loaded.model, loaded.path)
+    model.to(runtime.device).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return LanguageModel(model, tokenizer, runtime, loaded.path, config, choice)
+
+
+def context_ids(tokenizer: Tokenizer) -> torch.Tensor | None:
+    """The ids of one newline, the context every scored text and empty prime starts from.
+
+    None when the vocabulary has no newline (a char model trained on one-line text).
+    """
+    try:
+        ids = tokenizer.encode("\n")
+    except ZlmError:
+        return None
+    return torch.from_numpy(ids) if len(ids) else None
