@@ -46,7 +46,7 @@ def command(
                           top_p=top_p, seed=seed, num_samples=num_samples)
     stream = None if as_json or num_samples > 1 else _echo
     samples = sample_checkpoint(run, config, device, stream)
-    if as_json:
+    if as_json:  # each line carries its seed
         for i, s in enumerate(samples):
             typer.echo(json.dumps({"index": i, **s.to_dict()}))
         return
