@@ -124,13 +124,23 @@ class _Runner:
         return self.cfg.bptt * self.cfg.batch_size
 
     def sample(self) -> int:
-        self.model.eval()
-        tok, state = self.tok, None
+        """Batch 1, one character per call: embedding -> one step -> decoder -> draw."""
+        m, n = self.model.eval(), self.cfg.sample_chars
+        tok = self.tok  # (1, 1)
         with torch.no_grad():
-            for _ in range(self.cfg.sample_chars):
-                logits, state = self.model(tok, state)  # (1, 1, V)
-                tok = torch.multinomial(torch.softmax(logits[0], dim=-1), 1)  # (1, 1)
-        return self.cfg.sample_chars
+            if isinstance(m, TorchLSTMLM):
+                state = None
+                for _ in range(n):
+                    y, state = m.lstm(m.embedding(tok), state)  # (1, 1, H)
+                    tok = torch.multinomial(torch.softmax(m.decoder(y[0]), dim=-1), 1)  # (1, 1)
+                return n
+            layer = m.layers[0]
+            w = (layer.weight_ih, layer.weight_hh, layer.bias, layer.zoneout_cell, layer.zoneout_hidden)
+            h = c = torch.zeros(1, self.cfg.hidden, device=self.device)  # (1, H)
+            for _ in range(n):
+                _, h, c = m.cell(m.embedding(tok), h, c, *w)
+                tok = torch.multinomial(torch.softmax(m.decoder(h), dim=-1), 1)  # (1, 1)
+        return n
 
 
 def _sync(device: torch.device) -> None:

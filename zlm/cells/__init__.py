@@ -47,7 +47,10 @@ def _fused_for(device: torch.device) -> tuple[CellFn | None, str]:
         from zlm.cells.fused import zoneout_lstm_fused
     except ImportError as e:
         return None, f"the CPU fused cell could not be imported ({e})"
-    return zoneout_lstm_fused, "fused CPU cell (hand-written backward, packed GEMMs)"
+    from zlm.cells.packed_gemm import ONEDNN
+
+    gemm = "oneDNN packed weights for fp32" if ONEDNN else "addmm (no oneDNN in this torch)"
+    return zoneout_lstm_fused, f"fused CPU cell (hand-written backward; per-step GEMM: {gemm})"
 
 
 def choose_cell(request: str = "auto", device: torch.device | str = "cpu") -> CellChoice:

@@ -35,12 +35,17 @@ from zlm.cells.packed_gemm import recurrent_gemm
 from zlm.cells.workspace import ForwardWorkspace, take_workspace
 
 
-def _double_g_rows(w: Tensor) -> Tensor:
-    """W with its g block (rows 2H:3H) doubled, so sigmoid(2 pre_g) comes out of the GEMM."""
+def _double_g_rows(w: Tensor) -> tuple[Tensor, None]:
+    """W_hh with its g block (rows 2H:3H) doubled: the GEMM then yields 2 pre_g."""
     H = w.shape[0] // 4
     w2 = w.clone()
     w2[2 * H : 3 * H] *= 2
-    return w2
+    return w2, None
+
+
+def _stacked(w_ih: Tensor, w_hh: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    """[W_ih | W_hh] (4H, I + H) and b: one GEMM per step for [x_t, h_prev]."""
+    return torch.cat([w_ih, w_hh], 1), b
 
 
 def _forward(x, h0, c0, weight_ih, weight_hh, bias, keep_c: Keep, keep_h: Keep, inference: bool):
@@ -55,7 +60,7 @@ def _forward(x, h0, c0, weight_ih, weight_hh, bias, keep_c: Keep, keep_h: Keep, 
     # The input projection for all timesteps as one matrix multiply; g pre-doubled.
     torch.addmm(bias, x.reshape(T * B, -1), weight_ih.t(), out=gates.view(T * B, 4 * H))
     gates[:, :, 2 * H : 3 * H].mul_(2)
-    gemm = recurrent_gemm(weight_hh, B, "g2", _double_g_rows, cache=inference)  # h W_hh^T, g rows x2
+    gemm = recurrent_gemm((weight_hh,), B, "g2", _double_g_rows, cache=inference)  # h W_hh^T, g rows x2
     y = torch.empty(T, B, H, dtype=x.dtype, device=x.device)  # returned: never pooled
     c = ws.c
     c[0].copy_(c0)
@@ -86,16 +91,16 @@ def _forward(x, h0, c0, weight_ih, weight_hh, bias, keep_c: Keep, keep_h: Keep, 
 
 
 def _step(x, h0, c0, weight_ih, weight_hh, bias, keep_c: Keep, keep_h: Keep):
-    """One timestep of inference (a sampler's call, T = 1): a few small fresh tensors,
-    the packed recurrent weight from the cache, no workspace, no per-window setup."""
-    B, H = h0.shape
-    pre = torch.addmm(bias, x[0], weight_ih.t())  # (B, 4H)
-    pre[:, 2 * H : 3 * H].mul_(2)
-    gemm = recurrent_gemm(weight_hh, B, "g2", _double_g_rows, cache=True)
-    s = gemm.add(h0, pre, out=pre).sigmoid_()  # i, f, s_g, o
-    i, f, s_g, o = s.chunk(4, 1)  # (B, H) each
-    c = torch.mul(f, c0).sub_(i).addcmul_(i, s_g, value=2)  # c~ = f c + i tanh(g)
-    h = torch.mul(c, 2).sigmoid_().mul_(o).mul_(2).sub_(o)  # h~ = o tanh(c~)
+    """One timestep of inference (a sampler's call, T = 1): one cached GEMM for [x, h]
+    (addmm: robust on a busy machine, see `zlm.cells.packed_gemm`) and a few small fresh
+    tensors; no workspace, no per-window setup."""
+    H = h0.shape[1]
+    gemm = recurrent_gemm((weight_ih, weight_hh, bias), h0.shape[0], "step", _stacked, True, "addmm")
+    pre = gemm.mm(torch.cat([x[0], h0], 1))  # (B, 4H) = x W_ih^T + h W_hh^T + b
+    g = pre[:, 2 * H : 3 * H].tanh()  # (B, H); a few hundred elements: tanh is cheap here
+    i, f, _, o = pre.sigmoid_().chunk(4, 1)
+    c = torch.mul(f, c0).addcmul_(i, g)  # c~ = f c + i g
+    h = torch.tanh(c).mul_(o)  # h~ = o tanh(c~)
     if isinstance(keep_c, Tensor) or keep_c != 0.0:
         c = torch.lerp(c, c0, keep_c[0] if isinstance(keep_c, Tensor) else keep_c)
     if isinstance(keep_h, Tensor) or keep_h != 0.0:

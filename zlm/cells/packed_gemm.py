@@ -8,6 +8,12 @@ once into its blocked layout ran these shapes 1.4-2.3x faster per call than
 projection into the same call. oneDNN here takes fp32 (not fp64), so anything else - fp64,
 CUDA tensors, a torch without oneDNN - uses `torch.addmm`.
 
+One exception, measured too: oneDNN splits even a batch-1 product over all threads, and
+when another process holds a core each call can wait milliseconds for the descheduled
+thread (sampling fell from ~2,000 to ~100 characters/s on a busy 2-core machine), while
+MKL's GEMV through addmm degrades gracefully. So the single-step inference path (a
+sampler's call) uses addmm on a contiguous transposed weight; whole windows keep oneDNN.
+
 A `RecurrentGemm` is built once per training window (the weights change after every
 optimizer step); for inference it is cached, so a sampler that calls the cell one
 character at a time packs the weights once, not once per character.
@@ -45,86 +51,101 @@ def backend_for(dtype: torch.dtype, device: torch.device) -> str:
 
 
 class RecurrentGemm:
-    """`out = other + a @ W^T` for one fixed weight W (N, K) and many small a (B, K).
+    """`other + a @ W^T` or `a @ W^T + bias` for one fixed weight W (N, K), small a (B, K)."""
 
-    `other` is (B, N) and is not modified; the result is a new (B, N) tensor on the oneDNN
-    path and `out` on the addmm path (pass a preallocated (B, N) buffer).
-    """
-
-    def __init__(self, weight: Tensor, batch: int):
-        self.backend = backend_for(weight.dtype, weight.device)
+    def __init__(self, weight: Tensor, batch: int, bias: Tensor | None = None, backend: str | None = None):
+        self.backend = backend or backend_for(weight.dtype, weight.device)
         self.shape = tuple(weight.shape)  # (N, K)
+        self._bias = bias  # (N,) or None
         if self.backend == "onednn":
             # (N, K) reordered into oneDNN's blocked layout for batch size `batch`
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), batch)
         else:
-            self._wt = weight.t()  # (K, N) view; addmm reads the transpose directly
+            self._wt = weight.t().contiguous()  # (K, N): MKL's GEMV is faster on this layout
 
     def add(self, a: Tensor, other: Tensor, out: Tensor) -> Tensor:
-        """other + a @ W^T: a (B, K), other (B, N) -> (B, N)."""
+        """other + a @ W^T: a (B, K), other (B, N) -> (B, N), not modifying `other`.
+
+        The result is a new tensor on the oneDNN path and `out`, a preallocated (B, N)
+        buffer, on the addmm path.
+        """
         if self.backend == "onednn":
             return torch.ops.mkldnn._linear_pointwise.binary(a, other, self._packed, None, "add")
         return torch.addmm(other, a, self._wt, out=out)
 
-    def mm(self, a: Tensor, bias: Tensor | None = None) -> Tensor:
-        """a @ W^T (+ bias): a (B, K) -> a new (B, N)."""
+    def mm(self, a: Tensor) -> Tensor:
+        """a @ W^T + bias: a (B, K) -> a new (B, N)."""
         if self.backend == "onednn":
-            return torch.ops.mkldnn._linear_pointwise(a, self._packed, bias, "none", [], "")
-        return torch.mm(a, self._wt) if bias is None else torch.addmm(bias, a, self._wt)
+            return torch.ops.mkldnn._linear_pointwise(a, self._packed, self._bias, "none", [], "")
+        if self._bias is None:
+            return torch.mm(a, self._wt)
+        return torch.addmm(self._bias, a, self._wt)
 
 
+Build = Callable[..., "tuple[Tensor, Tensor | None]"]
 _cache: dict[tuple, tuple] = {}
-_PROBE = 64  # weight elements compared on every cache hit
+_PROBE = 64  # elements of each source compared on every cache hit
 
 
-def _probe(weight: Tensor) -> Tensor:
-    """A few elements spread over the weight: a cheap check that it was not rewritten."""
-    flat = weight.detach().reshape(-1)
-    return flat[:: max(1, flat.numel() // _PROBE)].clone()
+def _probe(t: Tensor) -> Tensor:
+    """A strided view of a few elements spread over a tensor (compared against a copy)."""
+    flat = t.detach().reshape(-1)
+    return flat[:: max(1, flat.numel() // _PROBE)]
+
+
+def _stamp(t: Tensor) -> tuple:
+    return (t._version, t.data_ptr())
 
 
 def recurrent_gemm(
-    weight: Tensor,
+    sources: tuple[Tensor, ...],
     batch: int,
-    tag: str = "",
-    derive: Callable[[Tensor], Tensor] | None = None,
+    tag: str,
+    build: Build,
     cache: bool = False,
+    backend: str | None = None,
 ) -> RecurrentGemm:
-    """The `RecurrentGemm` for `derive(weight)` (default: the weight itself).
+    """The `RecurrentGemm` for the weight and bias `build(*sources)` returns.
 
-    Training packs the weights once per window (they change after every optimizer step;
+    Training packs once per window (the weights change after every optimizer step, and
     the reorder costs far less than the T steps that use it). With `cache=True` - for
     inference, where a sampler calls the cell one character at a time - the packed weight
-    is reused while the weight is the same tensor, at the same address and version, and a
-    probe of a few of its elements is unchanged (the probe catches writes through
-    `.data`, which do not bump the version). `tag` names the derivation ("T" for the
-    transpose) so that derived weights do not collide.
+    is reused while every source is the same tensor at the same address and version and
+    a probe of a few of its elements is unchanged (the probe catches writes through
+    `.data`, which do not bump the version). `tag` names what `build` derives; `backend`
+    forces "addmm" (default: `backend_for`).
     """
-    if not cache:
-        with torch.no_grad():
-            return RecurrentGemm(derive(weight) if derive else weight, batch)
     with torch.no_grad():
+        if not cache:
+            return _make(sources, batch, build, backend)
         try:
-            version = weight._version
-        except RuntimeError:  # an inference-mode tensor has no version counter
-            return RecurrentGemm(derive(weight) if derive else weight, batch)
-        key = (id(weight), tag, batch, weight.dtype, weight.device)
+            stamps = tuple(_stamp(s) for s in sources)
+        except RuntimeError:  # inference-mode tensors have no version counter: no caching
+            return _make(sources, batch, build, backend)
+        key = (tag, batch, tuple(id(s) for s in sources))
         hit = _cache.get(key)
         if (
             hit is not None
-            and hit[0]() is weight
-            and hit[1] == (version, weight.data_ptr())
-            and torch.equal(hit[2], _probe(weight))
+            and all(r() is s for r, s in zip(hit[0], sources, strict=True))
+            and hit[1] == stamps
+            and all(torch.equal(view, copy) for view, copy in hit[2])
         ):
             return hit[3]
-        gemm = RecurrentGemm(derive(weight) if derive else weight, batch)
-        if len(_cache) >= _MAX_CACHED:  # drop entries whose weights are gone, then the oldest
-            for k in [k for k, v in _cache.items() if v[0]() is None]:
+        gemm = _make(sources, batch, build, backend)
+        if len(_cache) >= _MAX_CACHED:  # drop entries whose sources are gone, then the oldest
+            for k in [k for k, v in _cache.items() if any(r() is None for r in v[0])]:
                 del _cache[k]
             while len(_cache) >= _MAX_CACHED:
                 del _cache[next(iter(_cache))]
-        _cache[key] = (weakref.ref(weight), (version, weight.data_ptr()), _probe(weight), gemm)
+        refs = tuple(weakref.ref(s) for s in sources)
+        probes = tuple((v, v.clone()) for v in map(_probe, sources))  # (live view, copy)
+        _cache[key] = (refs, stamps, probes, gemm)
         return gemm
+
+
+def _make(sources: tuple[Tensor, ...], batch: int, build: Build, backend: str | None) -> RecurrentGemm:
+    weight, bias = build(*sources)
+    return RecurrentGemm(weight, batch, bias, backend)
 
 
 def clear_cache() -> None:
