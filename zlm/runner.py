@@ -74,13 +74,17 @@ def run_training(req: TrainRequest, reporter: Reporter | None = None) -> int:
         from zlm.launch import launch_local
 
         return launch_local(req)
-    rep = reporter or make_reporter()
-    run_dir = req.out or default_run_dir(req.source, req.resume)
     import os
 
+    from zlm.distributed import restart_count
+
     is_main = int(os.environ.get("RANK", "0")) == 0
+    rep = reporter or (make_reporter() if is_main else Reporter())  # only rank 0 prints
+    resume = req.resume or restart_count() > 0  # a worker relaunched by torchrun resumes
+    # Under torchrun every rank must agree on the run directory: never pick a -2 suffix there.
+    run_dir = req.out or default_run_dir(req.source, resume or int(os.environ.get("WORLD_SIZE", "1")) > 1)
     if is_main:
-        check_run_dir(run_dir, req.resume)
+        check_run_dir(run_dir, resume)
     overrides = dict(req.overrides)
     if req.time_budget is not None:
         overrides["time_budget"] = parse_duration(req.time_budget)
@@ -90,7 +94,7 @@ def run_training(req: TrainRequest, reporter: Reporter | None = None) -> int:
     model_cfg, train_cfg, preset = resolve(data.vocab_size, req.preset, overrides)
     if req.preset is None:
         rep.message(f"no --preset given: using {preset} (explicit options override it)")
-    summary = train(run_dir, data, model_cfg, train_cfg, resume=req.resume, reporter=rep)
+    summary = train(run_dir, data, model_cfg, train_cfg, resume=resume, reporter=rep)
     if summary.get("interrupted"):
         rep.message(f"interrupted at step {summary['step']}: checkpoint saved; continue with "
                     f"zlm train {req.source} --out {run_dir} --resume")

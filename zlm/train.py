@@ -157,7 +157,8 @@ def train(
         resume = True
     if par.is_main:
         check_run_dir(run_dir, resume)
-    latest = ckpt.latest_complete(run_dir, warn=rep.message) if resume else None
+    latest = ckpt.latest_complete(run_dir, warn=rep.message) if resume and par.is_main else None
+    latest = par.broadcast_object(latest)  # every rank resumes from the checkpoint rank 0 found
     if resume and latest is None:
         rep.message(f"no complete checkpoint in {run_dir}: starting fresh")
 

@@ -63,7 +63,8 @@ def save_training_checkpoint(run_dir, t, model, optimizer, scaler, streams, sche
     trainer = {
         "step": t["step"], "epoch": t.get("epoch", 0.0), "elapsed": t["elapsed"],
         "best_bpc": t["best_bpc"], "nonfinite": t["nonfinite"], "valid_bpc": t.get("valid_bpc"),
-        "world_size": par.world, "streams": streams_all, "schedule": sched.state_dict(),
+        "world_size": par.world, "global_batch": streams.batch * par.world,
+        "streams": streams_all, "schedule": sched.state_dict(),
         "scaler": scaler.state_dict() if scaler.is_enabled() else None, "rng": rngs,
         "carried_state": "state.safetensors" if carried else None,
     }
@@ -91,12 +92,20 @@ def save_training_checkpoint(run_dir, t, model, optimizer, scaler, streams, sche
     return final
 
 
-def load_trainer_state(path, model, optimizer, scaler, streams, sched, runtime, par):
-    """Restore everything from a verified checkpoint; returns (trainer dict, carried state)."""
+def load_trainer_state(path, model, optimizer, scaler, streams, sched, runtime, par, warn=None):
+    """Restore everything from a verified checkpoint; returns (trainer dict, carried state).
+
+    Across world sizes: the optimizer state is always the consolidated full one (loads
+    with or without ZeRO). The streams and the carried hidden state continue exactly when
+    the total number of streams (processes x --batch-size) is unchanged, otherwise the run
+    is refused; with a different number of processes each rank's RNG starts afresh
+    (`warn` says so), so dropout/zoneout masks differ from an uninterrupted run.
+    """
     try:
         trainer = json.loads((path / "trainer.json").read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}/trainer.json is unreadable ({e})") from None
+    _check_streams(path, trainer, streams.batch, par.world)
     loaded = ckpt.load(path)
     load_weights(model, loaded.model, path)
     opt_tensors, opt_meta = ckpt.read_tensors(path / "optimizer.safetensors")
@@ -105,14 +114,15 @@ def load_trainer_state(path, model, optimizer, scaler, streams, sched, runtime, 
     if trainer.get("scaler") and scaler.is_enabled():
         scaler.load_state_dict(trainer["scaler"])
     saved_world = trainer.get("world_size", 1)
-    if saved_world != par.world:
-        raise CheckpointError(
-            f"{path} was written by {saved_world} ranks and this run has {par.world}; "
-            f"resume with the same number of processes"
-        )
-    streams.load_state_dict(trainer["streams"][par.rank])
+    same_world = saved_world == par.world
+    # Stream positions are the same on every rank (only the offsets differ), so any rank's do.
+    streams.load_state_dict(trainer["streams"][par.rank if same_world else 0])
     sched.load_state_dict(trainer["schedule"])
-    set_rng_state(trainer["rng"][par.rank], runtime.device)
+    if same_world:
+        set_rng_state(trainer["rng"][par.rank], runtime.device)
+    elif warn is not None:
+        warn(f"{path.name} was written by {saved_world} process(es), this run has {par.world}: streams, "
+             f"hidden state and optimizer continue exactly; dropout/zoneout masks are drawn afresh")
     state = None
     if trainer.get("carried_state"):
         tensors, _ = ckpt.read_tensors(path / trainer["carried_state"])
@@ -123,6 +133,24 @@ def load_trainer_state(path, model, optimizer, scaler, streams, sched, runtime, 
     t["valid_bpc"] = trainer.get("valid_bpc")
     t["last_good"] = str(path)
     return t, state
+
+
+def _check_streams(path, trainer: dict, batch: int, world: int) -> None:
+    """Refuse a resume whose processes x --batch-size differs from the checkpoint's."""
+    saved_world = trainer.get("world_size", 1)
+    saved = trainer.get("global_batch")
+    if saved == batch * world or (saved is None and saved_world == world):
+        return
+    if saved is None:  # written before global_batch was recorded
+        raise CheckpointError(f"{path} was written by {saved_world} processes and this run has {world}; "
+                              f"resume with the same number of processes")
+    fix = (f"pass --batch-size {saved // world}" if saved % world == 0
+           else f"use a number of processes that divides {saved}")
+    raise CheckpointError(
+        f"{path} carries {saved} training streams ({saved_world} process(es) x --batch-size "
+        f"{saved // saved_world}) but this run has {world} x {batch} = {world * batch}, so its streams "
+        f"and hidden state cannot continue; {fix} (or start a new run directory)"
+    )
 
 
 def load_weights(model, tensors: dict, path) -> None:
