@@ -32,11 +32,12 @@ def command(
                        "plus batch-1 sampling at hidden 512.")] = False,
     sample: Annotated[bool, typer.Option(
         "--sample", help="Also time batch-1 sampling (one character per call) at --hidden.")] = False,
+    sample_chars: Annotated[int, typer.Option(help="Characters per timed sampling round.")] = 300,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Characters/s of nn.LSTM, the reference and the fused cell: training and inference."""
     config = BenchConfig(hidden=hidden, batch_size=batch_size, bptt=bptt, vocab=vocab,
-                         device=device, repeats=repeats, warmup=warmup)
+                         device=device, repeats=repeats, warmup=warmup, sample_chars=sample_chars)
     rich = sys.stdout.isatty() and not os.environ.get("NO_COLOR") and not as_json
     if rich:
         from rich.console import Console

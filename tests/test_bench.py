@@ -30,7 +30,7 @@ def test_measure_rows_cover_every_impl_and_phase():
 
 
 def test_cli_json_structure():
-    result = CliRunner().invoke(app, ["bench", *TINY, "--sample", "--json"])
+    result = CliRunner().invoke(app, ["bench", *TINY, "--sample", "--sample-chars", "10", "--json"])
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
     assert data["device"] == "cpu" and data["threads"] >= 1 and "fused_cell" in data
