@@ -87,11 +87,18 @@ class TorchLSTMLM(nn.Module):
         return self.decoder(y), state
 
 
+def _fused_cell(device: torch.device):
+    choice = choose_cell("auto", device)
+    if choice.name != "fused":
+        raise UsageError(f"zlm bench: no fused cell on {device.type} ({choice.reason}); pass --device cpu")
+    return choice.fn
+
+
 def _build(impl: str, cfg: BenchConfig, device: torch.device) -> nn.Module:
     torch.manual_seed(0)
     if impl == "nn.LSTM":
         return TorchLSTMLM(cfg.vocab, cfg.embed, cfg.hidden).to(device)
-    cell = zoneout_lstm_reference if impl == "reference" else choose_cell("fused", device).fn
+    cell = zoneout_lstm_reference if impl == "reference" else _fused_cell(device)
     mc = ModelConfig(cfg.vocab, hidden=cfg.hidden, embed=cfg.embed, zoneout_cell=0.5, zoneout_hidden=0.05)
     return ZoneoutLM(mc, cell=cell).to(device)
 
