@@ -9,6 +9,9 @@ library function and renders the result.
     zlm sample RUN                       generate text
     zlm info RUN                         what a run or checkpoint holds, without tensors
     zlm bench                            cell throughput against torch.nn.LSTM
+    zlm plot RUN [RUN ...]               learning curves: a PNG (--out) or a terminal view
+    zlm compare RUN [RUN ...]            what differs between runs, and their BPC
+    zlm recipe NAME                      whole experiments: zoneout-ablation, equal-budget
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
-from zlm.cli import bench, evaluate, info, prepare, sample, train  # noqa: E402
+from zlm.cli import bench, compare, evaluate, info, plot, prepare, recipe, sample, train  # noqa: E402
 
 app.command("prepare")(prepare.command)
 app.command("train")(train.command)
@@ -32,6 +35,9 @@ app.command("eval")(evaluate.command)
 app.command("sample")(sample.command)
 app.command("info")(info.command)
 app.command("bench")(bench.command)
+app.command("plot")(plot.command)
+app.command("compare")(compare.command)
+app.command("recipe")(recipe.command)
 
 
 def main() -> None:

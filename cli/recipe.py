@@ -1,0 +1,102 @@
+"""`zlm recipe NAME`: run a whole experiment (`zlm.recipes`) and print its results table.
+
+    zlm recipe zoneout-ablation   the same LSTM x 4: no zoneout, z_h only, z_c only, both
+    zlm recipe equal-budget       cpu-small for 10 minutes next to published CPU baselines
+
+Both write OUT/results.json, OUT/results.md and OUT/curves.png, and continue where they
+stopped when the same command is run again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from zlm.cli.errors import handle_errors
+
+from zlm.recipes import RecipeConfig, RecipeResult, run_recipe
+
+H_MODEL, H_BUDGET = "Model and training (default: the recipe's)", "Budget"
+
+
+@handle_errors
+def command(
+    name: Annotated[str, typer.Argument(
+        help="zoneout-ablation | equal-budget.", metavar="NAME", show_default=False)],
+    corpus: Annotated[str, typer.Option(
+        help="A text file or corpus name, prepared once into OUT/data (char, 90/5/5), e.g. "
+             "../shared/corpora/tinyshakespeare/input.txt.")] = "tinyshakespeare",
+    out: Annotated[Path | None, typer.Option(
+        "--out", "-o", help="Output directory [default: runs/NAME].", show_default=False)] = None,
+    mirror: Annotated[Path | None, typer.Option(
+        help="Local copy of named corpora (else $ZLM_CORPORA, the cache, or a download).",
+        show_default=False)] = None,
+    minutes: Annotated[float | None, typer.Option(
+        help="Training time per run [default: 12 for zoneout-ablation (its first run; the "
+             "others then train for as many steps), 10 for equal-budget].",
+        rich_help_panel=H_BUDGET, show_default=False)] = None,
+    max_steps: Annotated[int | None, typer.Option(
+        help="A fixed number of steps per run instead of --minutes.",
+        rich_help_panel=H_BUDGET, show_default=False)] = None,
+    hidden: Annotated[int | None, typer.Option(
+        help="Units per layer [ablation: 1000; equal-budget: cpu-small's 512].",
+        rich_help_panel=H_MODEL, show_default=False)] = None,
+    layers: Annotated[int | None, typer.Option(
+        help="LSTM layers [1].", rich_help_panel=H_MODEL, show_default=False)] = None,
+    embed: Annotated[int | None, typer.Option(
+        help="Embedding width [ablation: 128; cpu-small: 64].", rich_help_panel=H_MODEL,
+        show_default=False)] = None,
+    batch_size: Annotated[int | None, typer.Option(
+        help="Streams [32].", rich_help_panel=H_MODEL, show_default=False)] = None,
+    bptt: Annotated[int | None, typer.Option(
+        help="Truncated backprop window [100].", rich_help_panel=H_MODEL,
+        show_default=False)] = None,
+    lr: Annotated[float | None, typer.Option(
+        help="Adam learning rate [ablation: 2e-3; cpu-small: 3e-3].", rich_help_panel=H_MODEL,
+        show_default=False)] = None,
+    eval_every: Annotated[int | None, typer.Option(
+        help="Validate and checkpoint every N steps [ablation: 100; cpu-small: 250].",
+        rich_help_panel=H_MODEL, show_default=False)] = None,
+    log_every: Annotated[int | None, typer.Option(
+        help="Steps between logged train BPC values [10].", rich_help_panel=H_MODEL,
+        show_default=False)] = None,
+    seed: Annotated[int | None, typer.Option(
+        help="Random seed [1234].", rich_help_panel=H_MODEL, show_default=False)] = None,
+    device: Annotated[str | None, typer.Option(
+        help="cpu (default: the budgets are CPU budgets) | cuda | auto.",
+        rich_help_panel=H_MODEL, show_default=False)] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
+) -> None:
+    """Run an experiment end to end: prepare, train, score the best checkpoints, plot."""
+    from zlm.progress import make_reporter
+    from zlm.report import PlainReporter
+
+    config = RecipeConfig(corpus=corpus, out=out, mirror=mirror, minutes=minutes,
+                          max_steps=max_steps, hidden=hidden, layers=layers, embed=embed,
+                          batch_size=batch_size, bptt=bptt, lr=lr, eval_every=eval_every,
+                          log_every=log_every, seed=seed, device=device)
+    # With --json, stdout carries only the JSON: training progress goes to stderr.
+    reporter = (lambda: PlainReporter(sys.stderr)) if as_json else make_reporter
+    result = run_recipe(name, config, reporter)
+    if as_json:
+        typer.echo(json.dumps(result.to_dict()))
+    else:
+        render(result, sys.stdout.isatty() and not os.environ.get("NO_COLOR"))
+
+
+def render(result: RecipeResult, rich: bool) -> None:
+    files = ", ".join(str(p) for p in result.files)
+    if not rich:
+        typer.echo(result.markdown)
+        typer.echo(f"wrote {files}")
+        return
+    from rich.console import Console
+    from rich.markdown import Markdown
+
+    console = Console()
+    console.print(Markdown(result.markdown))
+    console.print(f"[bold]wrote[/] {files}", highlight=False)
