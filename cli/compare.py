@@ -19,8 +19,12 @@ from zlm.compare import Comparison, compare_runs
 from zlm.report import fmt_duration
 
 RESULT_HEADERS = (("best_valid_bpc", "best valid BPC"), ("test_bpc", "test BPC"),
-                  ("parameters", "parameters"), ("chars_per_s", "chars/s"),
+                  ("parameters", "params"), ("chars_per_s", "chars/s"),
                   ("train_time_s", "train time"))
+# Short headers for the usual settings (the JSON keeps the config names).
+ALIASES = {"zoneout_cell": "z_c", "zoneout_hidden": "z_h", "batch_size": "batch",
+           "max_steps": "max steps", "eval_every": "eval every", "time_budget": "time budget",
+           "weight_decay": "wd", "schedule.kind": "schedule"}
 
 
 @handle_errors
@@ -47,12 +51,13 @@ def command(
 
 def rich_table(comparison: Comparison):
     """The comparison as a rich Table: one row per run, the best valid BPC in bold."""
+    from rich import box
     from rich.table import Table
 
     header, rows = table(comparison)
-    t = Table(header_style="bold")
+    t = Table(header_style="bold", box=box.SIMPLE_HEAD)
     for i, name in enumerate(header):
-        t.add_column(name, justify="left" if i == 0 else "right",
+        t.add_column(name, justify="left" if i == 0 else "right", no_wrap=i == 0,
                      style="bold" if name == "best valid BPC" else None)
     for row in rows:
         t.add_row(*row)
@@ -77,7 +82,7 @@ def _cell(key: str, value) -> str:
 
 def table(c: Comparison) -> tuple[list[str], list[list[str]]]:
     """Header and rows as strings: run, the differing settings, then the results."""
-    header = ["run"] + c.settings + [h for _, h in RESULT_HEADERS]
+    header = ["run"] + [ALIASES.get(s, s) for s in c.settings] + [h for _, h in RESULT_HEADERS]
     rows = [[r["run"]] + [_cell(s, r.get(s)) for s in c.settings]
             + [_cell(k, r.get(k)) for k, _ in RESULT_HEADERS] for r in c.rows]
     return header, rows

@@ -55,7 +55,7 @@ def test_table_lists_every_run(runs):
     lines = res.stdout.strip().splitlines()
     assert len(lines) == 4
     header = lines[0].split("\t")
-    assert header[:4] == ["run", "zoneout_cell", "zoneout_hidden", "max_steps"]
+    assert header[:4] == ["run", "z_c", "z_h", "max steps"]
     assert "hidden" not in header and "lr" not in header  # equal across runs
     for line, name in zip(lines[1:], ["plain", "zoneout", "zc-only"], strict=True):
         assert line.split("\t")[0] == name

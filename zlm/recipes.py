@@ -113,7 +113,7 @@ def prepare_once(config: RecipeConfig, out: Path, rep: Reporter) -> Dataset:
                          "file, e.g. --corpus ../shared/corpora/tinyshakespeare/input.txt")
     rep.message(f"preparing {config.corpus} into {data_dir} (char tokenizer, 90/5/5 split)")
     return prepare(config.corpus, data_dir, PrepareConfig(
-        tokenizer="char", split=(0.9, 0.05, 0.05), unknown="replace", mirror=config.mirror))
+        tokenizer="char", split=(0.9, 0.05, 0.05), mirror=config.mirror))
 
 
 def train_run(run_dir: Path, data: Dataset, overrides: dict, preset: str | None,
