@@ -138,7 +138,7 @@ class ProcessGroupParallel(Parallel):
         largest = max(self.shards) / max(total, 1)
         text += (f"; ZeRO-1 optimizer state per rank: {' / '.join(f'{n:,}' for n in self.shards)} "
                  f"of {total:,} parameters")
-        if largest > 1.5 / self.world:
+        if largest > 1.25 / self.world:  # e.g. one rank holds > 62% of the state with 2 ranks
             text += (f" - saves little: the largest shard holds {largest:.0%} of it (ZeRO-1 keeps whole "
                      f"tensors together and an LSTM LM has a few large ones)")
         return text
