@@ -31,41 +31,41 @@ def command(
         help="A text file or corpus name, prepared once into OUT/data (char, 90/5/5), e.g. "
              "../shared/corpora/tinyshakespeare/input.txt.")] = "tinyshakespeare",
     out: Annotated[Path | None, typer.Option(
-        "--out", "-o", help="Output directory [default: runs/NAME].", show_default=False)] = None,
+        "--out", "-o", help="Output directory (default: runs/NAME).", show_default=False)] = None,
     mirror: Annotated[Path | None, typer.Option(
         help="Local copy of named corpora (else $ZLM_CORPORA, the cache, or a download).",
         show_default=False)] = None,
     minutes: Annotated[float | None, typer.Option(
-        help="Training time per run [default: 12 for zoneout-ablation (its first run; the "
-             "others then train for as many steps), 10 for equal-budget].",
+        help="Training time per run (default: 11 for zoneout-ablation: its first run, the "
+             "others then train for as many steps; 10 for equal-budget).",
         rich_help_panel=H_BUDGET, show_default=False)] = None,
     max_steps: Annotated[int | None, typer.Option(
         help="A fixed number of steps per run instead of --minutes.",
         rich_help_panel=H_BUDGET, show_default=False)] = None,
     hidden: Annotated[int | None, typer.Option(
-        help="Units per layer [ablation: 1000; equal-budget: cpu-small's 512].",
+        help="Units per layer (default: 512).",
         rich_help_panel=H_MODEL, show_default=False)] = None,
     layers: Annotated[int | None, typer.Option(
-        help="LSTM layers [1].", rich_help_panel=H_MODEL, show_default=False)] = None,
+        help="LSTM layers (default: 1).", rich_help_panel=H_MODEL, show_default=False)] = None,
     embed: Annotated[int | None, typer.Option(
-        help="Embedding width [ablation: 128; cpu-small: 64].", rich_help_panel=H_MODEL,
+        help="Embedding width (default: ablation 128, cpu-small 64).", rich_help_panel=H_MODEL,
         show_default=False)] = None,
     batch_size: Annotated[int | None, typer.Option(
-        help="Streams [32].", rich_help_panel=H_MODEL, show_default=False)] = None,
+        help="Streams (default: 32).", rich_help_panel=H_MODEL, show_default=False)] = None,
     bptt: Annotated[int | None, typer.Option(
-        help="Truncated backprop window [100].", rich_help_panel=H_MODEL,
+        help="Truncated backprop window (default: 100).", rich_help_panel=H_MODEL,
         show_default=False)] = None,
     lr: Annotated[float | None, typer.Option(
-        help="Adam learning rate [ablation: 2e-3; cpu-small: 3e-3].", rich_help_panel=H_MODEL,
+        help="Adam learning rate (default: ablation 2e-3, cpu-small 3e-3).", rich_help_panel=H_MODEL,
         show_default=False)] = None,
     eval_every: Annotated[int | None, typer.Option(
-        help="Validate and checkpoint every N steps [ablation: 100; cpu-small: 250].",
+        help="Validate and checkpoint every N steps (default: ablation 100, cpu-small 250).",
         rich_help_panel=H_MODEL, show_default=False)] = None,
     log_every: Annotated[int | None, typer.Option(
-        help="Steps between logged train BPC values [10].", rich_help_panel=H_MODEL,
+        help="Steps between logged train BPC values (default: 10).", rich_help_panel=H_MODEL,
         show_default=False)] = None,
     seed: Annotated[int | None, typer.Option(
-        help="Random seed [1234].", rich_help_panel=H_MODEL, show_default=False)] = None,
+        help="Random seed (default: 1234).", rich_help_panel=H_MODEL, show_default=False)] = None,
     device: Annotated[str | None, typer.Option(
         help="cpu (default: the budgets are CPU budgets) | cuda | auto.",
         rich_help_panel=H_MODEL, show_default=False)] = None,
