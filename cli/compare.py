@@ -30,8 +30,8 @@ ALIASES = {"zoneout_cell": "z_c", "zoneout_hidden": "z_h", "batch_size": "batch"
 @handle_errors
 def command(
     runs: Annotated[list[Path], typer.Argument(
-        help="Run directories (the --out of zlm train or of a recipe's runs).",
-        metavar="RUN [RUN ...]", show_default=False)],
+        help="Run directories (the --out of zlm train or of a recipe's runs).", metavar="RUN",
+        show_default=False)],
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Settings that differ across runs, best valid BPC, test BPC, size, speed and time."""

@@ -27,7 +27,7 @@ WIDTH = 48  # sparkline columns: fits 80 with the 7-column name and two values
 @handle_errors
 def command(
     runs: Annotated[list[Path], typer.Argument(
-        help="Run directories (the --out of zlm train).", metavar="RUN [RUN ...]",
+        help="Run directories (the --out of zlm train).", metavar="RUN",
         show_default=False)],
     out: Annotated[Path | None, typer.Option(
         "--out", "-o", help="Write the figure here (PNG; needs matplotlib: "
