@@ -32,8 +32,8 @@ from zlm.cells.packed_gemm import recurrent_gemm
 from zlm.cells.workspace import BackwardWorkspace, ForwardWorkspace, take_workspace
 
 
-def _transpose(w: Tensor) -> Tensor:
-    return w.t()
+def _transpose(w: Tensor) -> tuple[Tensor, None]:
+    return w.t(), None
 
 
 def _scale_(t: Tensor, s: Keep) -> None:
@@ -100,7 +100,7 @@ def backward_through_time(
     H = h0.shape[1]
     bw = take_workspace(BackwardWorkspace, T, B, H, x.dtype, x.device)
     not_c = _factors(ws, bw, keep_c, keep_h)
-    gemm = recurrent_gemm(weight_hh, B, "T", _transpose)  # dpre (B, 4H) @ W_hh -> (B, H)
+    gemm = recurrent_gemm((weight_hh,), B, "T", _transpose)  # dpre (B, 4H) @ W_hh -> (B, H)
 
     dgates = bw.dgates  # (T, B, 4H): factors, then dpre step by step
     dg_t = dgates.unbind(0)
