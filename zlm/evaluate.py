@@ -72,14 +72,27 @@ class EvalProtocol:
         return max(1, min(self.streams, n_predictions))
 
 
-def _run(model, inputs, targets, state, bptt, runtime) -> tuple[float, tuple]:
-    """Sum of NLL over (T, B) inputs/targets in windows, carrying state."""
-    nats = 0.0
-    for s in range(0, inputs.shape[0], bptt):
+def _windows(tokens: np.ndarray, starts: np.ndarray, length: int, bptt: int, dev):
+    """(inputs, targets), each (T, B), for streams at `starts` of `length` predictions.
+
+    Reads one window at a time from `tokens` (a memory map is fine), so memory does not
+    grow with the length of the split.
+    """
+    for s in range(0, length, bptt):
+        T = min(bptt, length - s)
+        idx = starts[None, :] + s + np.arange(T + 1)[:, None]  # (T+1, B)
+        window = torch.from_numpy(np.asarray(tokens[idx], dtype=np.int64)).to(dev)
+        yield window[:-1], window[1:]
+
+
+def _run(model, windows, state, runtime) -> tuple[float, tuple]:
+    """Sum of NLL over windows, carrying state (one device sync at the end)."""
+    nats = torch.zeros((), dtype=torch.float64, device=runtime.device)
+    for inputs, targets in windows:
         with runtime.autocast():
-            logits, state = model(inputs[s : s + bptt], state)
-        nats += float(token_nll(logits, targets[s : s + bptt]).double())
-    return nats, state
+            logits, state = model(inputs, state)
+        nats += token_nll(logits, targets).double()
+    return float(nats), state
 
 
 @torch.no_grad()
@@ -93,7 +106,7 @@ def score_predictions(
 ) -> tuple[float, int]:
     """Summed NLL in nats over this rank's share of the N-1 predictions, and their count.
 
-    tokens: (N,) any integer dtype (a memory map is fine: read window by window).
+    tokens: (N,) any integer dtype; a memory map is read window by window.
     """
     was_training = model.training
     model.eval()
@@ -106,16 +119,13 @@ def score_predictions(
     dev = runtime.device
     nats, count, state = 0.0, 0, None
     if len(mine):
-        starts = mine * L  # (B,)
-        idx = starts[None, :] + np.arange(L + 1)[:, None]  # (L+1, B)
-        window = torch.from_numpy(np.asarray(tokens[idx], dtype=np.int64)).to(dev)
-        nats, state = _run(model, window[:-1], window[1:], None, protocol.bptt, runtime)
+        nats, state = _run(model, _windows(tokens, mine * L, L, protocol.bptt, dev), None, runtime)
         count = L * len(mine)
     tail = n - S * L
     if tail and len(mine) and mine[-1] == S - 1:  # continue the last stream to the end
         last = (state[0][:, -1:].contiguous(), state[1][:, -1:].contiguous())
-        rest = torch.from_numpy(np.asarray(tokens[S * L :], dtype=np.int64)).to(dev)[:, None]
-        more, _ = _run(model, rest[:-1], rest[1:], last, protocol.bptt, runtime)
+        rest = _windows(tokens, np.array([S * L]), tail, protocol.bptt, dev)
+        more, _ = _run(model, rest, last, runtime)
         nats += more
         count += tail
     model.train(was_training)
