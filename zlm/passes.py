@@ -153,6 +153,15 @@ class Passes:
         try:
             pos = 0
             for piece in self.pieces(self.plan.files):
+                if pos > 0 and isinstance(piece, bytes) and not self.by_byte:
+                    # Bytes that open a chunk but continue the character before it belong
+                    # to that character's split (also after the last boundary): as if whole.
+                    n = _continuation_prefix(piece)
+                    if n:
+                        s = 0 if pos <= bounds[1] else 1 if pos <= bounds[2] else 2
+                        self._emit(tok, dtype, SPLITS[s], piece[:n], files, counts, pending,
+                                   unknown, last=False)
+                        piece = piece[n:]
                 while piece and pos < bounds[3]:
                     s = 0 if pos < bounds[1] else 1 if pos < bounds[2] else 2
                     take = self.cut(piece, bounds[s + 1] - pos)
@@ -188,3 +197,11 @@ class Passes:
                 ids = tok.encode(text[:cut], unknown)                 # (m,) int64
         files[split].write(np.ascontiguousarray(ids, dtype=dtype).data)
         c["tokens"] += int(ids.size)
+
+
+def _continuation_prefix(piece: bytes) -> int:
+    """How many UTF-8 continuation bytes (10xxxxxx) `piece` starts with."""
+    n = 0
+    while n < len(piece) and piece[n] & 0xC0 == 0x80:
+        n += 1
+    return n

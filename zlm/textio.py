@@ -99,6 +99,11 @@ def _read_file(path, chunk_bytes, on_read, hasher) -> Iterator[tuple[int, bytes]
         while True:
             try:
                 data = stream.read(chunk_bytes)
+                while offset == 0 and data and len(data) < len(_BOM) and _BOM.startswith(data):
+                    more = stream.read(len(_BOM) - len(data))  # tiny chunks: see a whole BOM
+                    if not more:
+                        break
+                    data += more
             except (OSError, EOFError, zlib.error) as e:
                 raise DataError(f"{path}: corrupt gzip data ({e}); re-download or "
                                 "re-compress the file") from None
