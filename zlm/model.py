@@ -112,7 +112,7 @@ class ZoneoutLM(nn.Module):
         """tokens: (T, B) int64 -> logits (T, B, V), final state (h, c) each (L, B, H)."""
         T, B = tokens.shape
         if state is None:
-            state = self.initial_state(B, tokens.device)
+            state = self.initial_state(B, tokens.device, self.embedding.weight.dtype)
         x = self.drop(self.embedding(tokens))  # (T, B, E)
         hs, cs = [], []
         for k, layer in enumerate(self.layers):
