@@ -34,6 +34,7 @@ from zlm.streams import make_streams
 from zlm.trainstate import load_trainer_state, save_training_checkpoint
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
+_MAX_LR = 3.4e37  # float32 max / 10: a larger lr overflows inside Adam's first step
 
 
 @dataclass(frozen=True)
@@ -69,8 +70,9 @@ class TrainConfig:
                      "max_nonfinite"):
             if getattr(self, name) < 1:
                 raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.lr <= 0:
-            raise UsageError(f"--lr must be > 0, got {self.lr}")
+        if not 0 < self.lr <= _MAX_LR:  # (also refuses nan)
+            raise UsageError(f"--lr must be > 0 and at most {_MAX_LR:.1e} (Adam's first step, "
+                             f"10 x lr, must fit in float32), got {self.lr}")
         if self.clip < 0:
             raise UsageError(f"--clip must be >= 0 (0 turns clipping off), got {self.clip}")
         if self.optimizer not in OPTIMIZERS:
