@@ -77,7 +77,7 @@ def test_equal_budget_prints_the_baselines(corpus, tmp_path):
     doc = json.loads(res.stdout)
     assert doc["recipe"] == "equal-budget" and len(doc["runs"]) == 1
     row = json.loads((out / "results.json").read_text())["runs"][0]
-    assert row["model"]["zoneout_cell"] == 0.25 and row["model"]["hidden"] == 16  # cpu-small + --hidden
+    assert row["model"]["zoneout_cell"] == 0.1 and row["model"]["hidden"] == 16  # cpu-small + --hidden
     md = (out / "results.md").read_text()
     assert "| 2.09 | 2.30 |" in md and "| 2.18 | 2.37 |" in md and "zlm cpu-small" in md
     assert (out / "curves.png").is_file() and (out / "cpu-small" / "results.json").is_file()
