@@ -165,7 +165,10 @@ def verify(path: Path, deep: bool = True) -> dict:
             f"{path} has checkpoint format version {manifest.get('version')}, newer than this "
             f"zlm reads ({VERSION}); upgrade zlm"
         )
-    for name, info in manifest.get("files", {}).items():
+    files = manifest.get("files", {})
+    if not isinstance(files, dict) or not all(isinstance(i, dict) for i in files.values()):
+        raise CheckpointError(f"{path} is not a zlm checkpoint (bad {MANIFEST} file list)")
+    for name, info in files.items():
         p = path / name
         if not p.is_file() or p.stat().st_size != info.get("bytes"):
             raise CheckpointError(f"{p} is missing or truncated; use an earlier checkpoint")
@@ -267,8 +270,9 @@ def load(path: Path) -> Loaded:
     verify(path)
     try:
         config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}/config.json is unreadable ({e})") from None
+    except (OSError, ValueError) as e:  # (JSONDecodeError and UnicodeDecodeError included)
+        raise CheckpointError(f"{path}/config.json is unreadable ({e.__class__.__name__}); "
+                              "use an earlier checkpoint") from None
     tensors, _ = read_tensors(path / "model.safetensors")
     return Loaded(path, config, tensors)
 

@@ -28,7 +28,7 @@ from zlm.metrics import Score
 from zlm.model import ModelConfig, ZoneoutLM
 from zlm.precision import Runtime, resolve_runtime
 from zlm.tokenizers import Tokenizer, load_tokenizer
-from zlm.trainstate import load_weights
+from zlm.trainstate import check_weights, load_weights
 
 
 @dataclass
@@ -141,6 +141,16 @@ def load(path, device: str = "auto", precision: str = "fp32", cell: str = "auto"
             f"{loaded.path}: the tokenizer has {tokenizer.vocab_size} entries but the model "
             f"{model_cfg.vocab_size}; the checkpoint is inconsistent: use another one")
     choice = choose_cell(cell, runtime.device)
+    if model_cfg.layers > len(loaded.model):  # each layer has tensors: a damaged config.json
+        raise CheckpointError(f"{loaded.path}/config.json says {model_cfg.layers} layers but the "
+                              "weights hold fewer; the checkpoint is damaged: use another one")
+    try:
+        with torch.device("meta"):  # shapes only: a damaged config.json must not allocate
+            own = ZoneoutLM(model_cfg, choice.fn).state_dict()
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{loaded.path}/config.json describes an impossible model "
+                              f"({str(e).splitlines()[0]}); use another checkpoint") from None
+    check_weights(own, loaded.model, loaded.path)
     model = ZoneoutLM(model_cfg, choice.fn)
     load_weights(model, loaded.model, loaded.path)
     model.to(runtime.device).eval()

@@ -351,9 +351,13 @@ def load_tokenizer(directory, meta: dict) -> Tokenizer:
             doc = json.loads(path.read_text(encoding="utf-8"))
         except (ValueError, UnicodeDecodeError) as e:
             raise DataError(f"{path}: not valid JSON ({e}); re-run zlm prepare") from None
-        tok = ByteTokenizer() if kind == "byte" else CharTokenizer(doc["vocab"])
+        try:
+            tok = ByteTokenizer() if kind == "byte" else CharTokenizer(doc["vocab"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise DataError(f"{path}: not a char tokenizer file ({e.__class__.__name__}: {e}); "
+                            "re-run zlm prepare") from None
     expected = meta.get("vocab_size")
-    if expected is not None and tok.vocab_size != int(expected):
+    if expected is not None and (not isinstance(expected, int) or tok.vocab_size != expected):
         raise DataError(
             f"{path}: tokenizer has {tok.vocab_size} entries but dataset.json says "
             f"{expected}; re-run zlm prepare"

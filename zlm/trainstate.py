@@ -155,7 +155,12 @@ def _check_streams(path, trainer: dict, batch: int, world: int) -> None:
 
 def load_weights(model, tensors: dict, path) -> None:
     """Strict load with a one-line error naming the first mismatch (also `zlm.inference`)."""
-    own = model.state_dict()
+    check_weights(model.state_dict(), tensors, path)
+    model.load_state_dict(tensors)
+
+
+def check_weights(own: dict, tensors: dict, path) -> None:
+    """CheckpointError unless `tensors` has exactly the keys, shapes and dtypes of `own`."""
     missing = sorted(set(own) - set(tensors))
     extra = sorted(set(tensors) - set(own))
     if missing or extra:
@@ -169,4 +174,3 @@ def load_weights(model, tensors: dict, path) -> None:
                 f"{path}: tensor {k} is {v.dtype} {tuple(v.shape)} but the config implies "
                 f"{own[k].dtype} {tuple(own[k].shape)}; the checkpoint and its config.json disagree"
             )
-    model.load_state_dict(tensors)
