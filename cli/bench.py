@@ -8,12 +8,11 @@ object with --json.
 from __future__ import annotations
 
 import json
-import os
-import sys
 from typing import Annotated
 
 import typer
 from zlm.cli.errors import handle_errors
+from zlm.cli.render import use_rich
 
 from zlm.bench import IMPLS, BenchConfig, run_bench
 
@@ -38,7 +37,7 @@ def command(
     """Characters/s of nn.LSTM, the reference and the fused cell: training and inference."""
     config = BenchConfig(hidden=hidden, batch_size=batch_size, bptt=bptt, vocab=vocab,
                          device=device, repeats=repeats, warmup=warmup, sample_chars=sample_chars)
-    rich = sys.stdout.isatty() and not os.environ.get("NO_COLOR") and not as_json
+    rich = use_rich() and not as_json
     if rich:
         from rich.console import Console
 

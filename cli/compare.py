@@ -7,13 +7,12 @@ a pipe or under NO_COLOR); `--json` prints the comparison as one JSON object.
 from __future__ import annotations
 
 import json
-import os
-import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from zlm.cli.errors import handle_errors
+from zlm.cli.render import use_rich
 
 from zlm.compare import Comparison, compare_runs
 from zlm.report import fmt_duration
@@ -39,7 +38,7 @@ def command(
     if as_json:
         typer.echo(json.dumps(comparison.to_dict()))
         return
-    if not (sys.stdout.isatty() and not os.environ.get("NO_COLOR")):
+    if not use_rich():
         header, rows = table(comparison)
         for row in [header] + rows:
             typer.echo("\t".join(row))

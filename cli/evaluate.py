@@ -8,13 +8,12 @@ protocol; `--json` prints the same as one JSON object.
 from __future__ import annotations
 
 import json
-import os
-import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from zlm.cli.errors import handle_errors
+from zlm.cli.render import print_pairs, use_rich
 
 from zlm.errors import UsageError
 from zlm.evaluate import EvalConfig, EvalResult, evaluate
@@ -50,7 +49,7 @@ def command(
     if as_json:
         typer.echo(json.dumps(result.to_dict()))
     else:
-        _render(result, sys.stdout.isatty() and not os.environ.get("NO_COLOR"))
+        _render(result, use_rich())
 
 
 def _rows(r: EvalResult) -> list[tuple[str, str]]:
@@ -70,17 +69,4 @@ def _rows(r: EvalResult) -> list[tuple[str, str]]:
 
 
 def _render(result: EvalResult, rich: bool) -> None:
-    rows = _rows(result)
-    if not rich:
-        for key, value in rows:
-            typer.echo(f"{key}: {value}")
-        return
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(show_header=False, box=None)
-    table.add_column(style="bold")
-    table.add_column()
-    for key, value in rows:
-        table.add_row(key, value)
-    Console().print(table)
+    print_pairs(_rows(result), rich)

@@ -6,13 +6,12 @@ Reads JSON and the safetensors header only, never the tensors.
 from __future__ import annotations
 
 import json
-import os
-import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from zlm.cli.errors import handle_errors
+from zlm.cli.render import print_pairs, use_rich
 
 from zlm.info import describe
 
@@ -29,7 +28,7 @@ def command(
     if as_json:
         typer.echo(json.dumps(info))
         return
-    rich = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+    rich = use_rich()
     _render(info, rich)
 
 
@@ -70,17 +69,4 @@ def _rows(info: dict) -> list[tuple[str, str]]:
 
 
 def _render(info: dict, rich: bool) -> None:
-    rows = _rows(info)
-    if not rich:
-        for key, value in rows:
-            typer.echo(f"{key}: {value}" if not key.startswith("  ") else f"{key}  {value}")
-        return
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(show_header=False, box=None)
-    table.add_column(style="bold")
-    table.add_column()
-    for key, value in rows:
-        table.add_row(key, value)
-    Console().print(table)
+    print_pairs(_rows(info), rich, lambda k, v: f"{k}: {v}" if not k.startswith("  ") else f"{k}  {v}")

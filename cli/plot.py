@@ -8,13 +8,12 @@ terminal, plain lines in a pipe or under NO_COLOR.
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from zlm.cli.errors import handle_errors
+from zlm.cli.render import use_rich
 
 from zlm.curves import RunCurves, read_runs, sample_at
 from zlm.errors import UsageError
@@ -47,7 +46,7 @@ def command(
         path = plot_runs(curves, out, x=x)
         typer.echo(f"wrote {path} ({len(curves)} run{'s' * (len(curves) != 1)})")
         return
-    rich = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+    rich = use_rich()
     render_terminal(curves, x, console=None if rich else False)
 
 

@@ -6,14 +6,13 @@ or NO_COLOR is set.
 
 from __future__ import annotations
 
-import os
 import pathlib
-import sys
 import time
 from typing import Annotated
 
 import typer
 from zlm.cli.errors import handle_errors
+from zlm.cli.render import use_rich
 
 from zlm.dataset import SPLITS
 from zlm.errors import UsageError
@@ -69,7 +68,7 @@ def command(
         valid=valid, test=test, unknown=unknown, mirror=mirror, format=format,
     )
     src: str | list[str] = source[0] if len(source) == 1 else list(source)
-    rich = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+    rich = use_rich()
     start = time.perf_counter()
     if rich:
         dataset = _with_progress_bar(src, out, config, force)

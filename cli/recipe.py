@@ -10,13 +10,13 @@ stopped when the same command is run again.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from zlm.cli.errors import handle_errors
+from zlm.cli.render import use_rich
 
 from zlm.recipes import RecipeConfig, RecipeResult, run_recipe
 
@@ -85,7 +85,7 @@ def command(
     if as_json:
         typer.echo(json.dumps(result.to_dict()))
     else:
-        render(result, sys.stdout.isatty() and not os.environ.get("NO_COLOR"))
+        render(result, use_rich())
 
 
 def render(result: RecipeResult, rich: bool) -> None:
