@@ -264,10 +264,11 @@ def train(
             scaler.scale(loss).backward()
             scaler.unscale_(optimizer)
             gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.clip if cfg.clip > 0 else math.inf)
-            finite = bool(torch.isfinite(loss).item()) and bool(torch.isfinite(gnorm).item())
+            local_loss, gnorm = loss.item(), float(gnorm)  # the step's only host syncs
+            finite = math.isfinite(local_loss) and math.isfinite(gnorm)
             # One all-reduce: every rank takes the same skip decision (ZeRO's step is a
             # collective) and rank 0 logs the mean loss over all ranks' streams.
-            loss_sum, n_bad = par.sum([loss.item(), 0.0 if finite else 1.0])
+            loss_sum, n_bad = par.sum([local_loss, 0.0 if finite else 1.0])
             finite, loss_value = n_bad == 0, loss_sum / par.world
             if finite or scaler.is_enabled():
                 scaler.step(optimizer)  # the fp16 scaler skips non-finite steps itself
@@ -283,11 +284,11 @@ def train(
             else:
                 t["nonfinite"] += 1
                 state = None  # the carried state may be poisoned: restart from zero
-                msg = (f"step {t['step']}: non-finite loss or gradient ({loss.item()}), "
+                msg = (f"step {t['step']}: non-finite loss or gradient ({local_loss}), "
                        f"update skipped ({t['nonfinite']} in a row)")
                 rep.message(msg)
                 if par.is_main:
-                    log.write("nonfinite", step=t["step"], loss=float(loss.item()), grad_norm=float(gnorm))
+                    log.write("nonfinite", step=t["step"], loss=local_loss, grad_norm=gnorm)
                 if t["nonfinite"] >= cfg.max_nonfinite:
                     last = t["last_good"] or "none yet"
                     raise NonFiniteError(
@@ -295,7 +296,7 @@ def train(
                         f"checkpoint is {last}; lower --lr or --clip and resume with --resume"
                     )
             if par.is_main and finite:
-                log.write("step", step=t["step"], loss=loss_value, grad_norm=float(gnorm),
+                log.write("step", step=t["step"], loss=loss_value, grad_norm=gnorm,
                           lr=optimizer.param_groups[0]["lr"])
             if t["step"] % cfg.log_every == 0 and window_tokens:
                 now = time.perf_counter()
