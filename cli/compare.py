@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+
 from zlm.cli.errors import handle_errors
 from zlm.cli.render import use_rich
-
 from zlm.compare import Comparison, compare_runs
 from zlm.report import fmt_duration
 

@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+
 from zlm.cli.errors import handle_errors
 from zlm.cli.render import print_pairs, use_rich
-
 from zlm.errors import UsageError
 from zlm.evaluate import EvalConfig, EvalResult, evaluate
 

@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+
 from zlm.cli.errors import handle_errors
 from zlm.cli.render import use_rich
-
 from zlm.curves import RunCurves, read_runs, sample_at
 from zlm.errors import UsageError
 from zlm.report import fmt_duration

@@ -11,9 +11,9 @@ import time
 from typing import Annotated
 
 import typer
+
 from zlm.cli.errors import handle_errors
 from zlm.cli.render import use_rich
-
 from zlm.dataset import SPLITS
 from zlm.errors import UsageError
 from zlm.prepare import PrepareConfig, prepare

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from zlm.cli.errors import handle_errors
 
+from zlm.cli.errors import handle_errors
 from zlm.sample import SampleConfig, sample_checkpoint
 
 

@@ -8,9 +8,9 @@ import sysconfig
 import zipfile
 
 import pytest
-from zlm.corpora import load_catalog
 
 from zlm import catalog
+from zlm.corpora import load_catalog
 from zlm.errors import DataError, UsageError
 
 SHARED = pathlib.Path(__file__).resolve().parents[2] / "shared"

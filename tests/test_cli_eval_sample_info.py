@@ -7,10 +7,10 @@ import json
 import shutil
 
 import pytest
-from conftest import shakespeare_text, write_char_dataset
 from typer.testing import CliRunner
-from zlm.cli import app
 
+from conftest import shakespeare_text, write_char_dataset
+from zlm.cli import app
 from zlm.dataset import Dataset
 from zlm.model import ModelConfig
 from zlm.train import TrainConfig, train

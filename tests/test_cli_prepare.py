@@ -7,6 +7,7 @@ import pathlib
 
 import pytest
 from typer.testing import CliRunner
+
 from zlm.cli import app
 
 SHARED = pathlib.Path(__file__).resolve().parents[2] / "shared"
@@ -120,7 +121,6 @@ def test_plain_output_with_no_color(run, tmp_path):
 
 def test_rich_rendering(tmp_path, capsys):
     from zlm.cli import prepare as cli_prepare
-
     from zlm.prepare import PrepareConfig
 
     src = tmp_path / "a.txt"

@@ -9,9 +9,9 @@ import pytest
 from rich.console import Console
 from test_plot import write_fake_run
 from typer.testing import CliRunner
+
 from zlm.cli import app
 from zlm.cli.compare import rich_table
-
 from zlm.compare import compare_runs, differing, flatten
 
 runner = CliRunner()

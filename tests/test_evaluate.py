@@ -8,11 +8,11 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import shakespeare_text, write_char_dataset
 from safetensors.torch import load_file
 from typer.testing import CliRunner
-from zlm.cli import app
 
+from conftest import shakespeare_text, write_char_dataset
+from zlm.cli import app
 from zlm.dataset import Dataset
 from zlm.errors import DataError
 from zlm.evaluate import EvalProtocol, cold_start_bound, score_predictions

@@ -10,8 +10,8 @@ import struct
 import pytest
 import safetensors
 import safetensors.torch
-from conftest import shakespeare_text, write_char_dataset
 
+from conftest import shakespeare_text, write_char_dataset
 from zlm.dataset import Dataset
 from zlm.errors import CheckpointError
 from zlm.inference import load

@@ -12,12 +12,12 @@ import math
 import sys
 
 import pytest
-from conftest import shakespeare_text, write_char_dataset
 from rich.console import Console
 from typer.testing import CliRunner
+
+from conftest import shakespeare_text, write_char_dataset
 from zlm.cli import app
 from zlm.cli.plot import WIDTH, render_terminal, terminal_lines
-
 from zlm.curves import Curve, read_run, read_runs, sample_at
 from zlm.dataset import Dataset
 from zlm.model import ModelConfig

@@ -8,9 +8,9 @@ import pathlib
 
 import numpy as np
 import pytest
-from zlm.corpora import load_catalog
 
 from zlm import catalog
+from zlm.corpora import load_catalog
 from zlm.dataset import Dataset
 from zlm.errors import DataError, UsageError
 from zlm.prepare import PrepareConfig, prepare
