@@ -11,10 +11,10 @@ import json
 from typing import Annotated
 
 import typer
+
+from zlm.bench import BenchConfig, run_bench
 from zlm.cli.errors import handle_errors
 from zlm.cli.render import use_rich
-
-from zlm.bench import IMPLS, BenchConfig, run_bench
 
 
 @handle_errors
@@ -32,19 +32,24 @@ def command(
     sample: Annotated[bool, typer.Option(
         "--sample", help="Also time batch-1 sampling (one character per call) at --hidden.")] = False,
     sample_chars: Annotated[int, typer.Option(help="Characters per timed sampling round.")] = 300,
+    precision: Annotated[str, typer.Option(
+        help="fp32, bf16 or fp16 autocast (CUDA), or a list: fp32,bf16.")] = "fp32",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Characters/s of nn.LSTM, the reference and the fused cell: training and inference."""
-    config = BenchConfig(hidden=hidden, batch_size=batch_size, bptt=bptt, vocab=vocab,
-                         device=device, repeats=repeats, warmup=warmup, sample_chars=sample_chars)
+    precisions = tuple(p.strip() for p in precision.split(",") if p.strip()) or ("fp32",)
+    configs = [BenchConfig(hidden=hidden, batch_size=batch_size, bptt=bptt, vocab=vocab, device=device,
+                           repeats=repeats, warmup=warmup, sample_chars=sample_chars, precision=p)
+               for p in precisions]  # each checked before anything runs
+    config = configs[0]
     rich = use_rich() and not as_json
     if rich:
         from rich.console import Console
 
         with Console().status("benchmarking (nn.LSTM, reference, fused, in rotating order)"):
-            result = run_bench(config, grid=grid, sample=sample)
+            result = run_bench(config, grid=grid, sample=sample, precisions=precisions)
     else:
-        result = run_bench(config, grid=grid, sample=sample)
+        result = run_bench(config, grid=grid, sample=sample, precisions=precisions)
     if as_json:
         typer.echo(json.dumps(result, indent=2))
     else:
@@ -52,12 +57,21 @@ def command(
 
 
 def _groups(rows: list[dict]) -> list[tuple[tuple, dict[str, dict]]]:
-    """Rows grouped by (batch, hidden, bptt, phase), in order: {impl: row}."""
+    """Rows grouped by (precision, batch, hidden, bptt, phase), in order: {impl: row}."""
     groups: dict[tuple, dict[str, dict]] = {}
     for r in rows:
-        key = (r["batch_size"], r["hidden"], r["bptt"], r["phase"])
+        key = (r.get("precision", "fp32"), r["batch_size"], r["hidden"], r["bptt"], r["phase"])
         groups.setdefault(key, {})[r["impl"]] = r
     return list(groups.items())
+
+
+def _impls(rows: list[dict]) -> list[str]:
+    """Implementations in the order they first appear (fused+graphs only on CUDA)."""
+    return list(dict.fromkeys(r["impl"] for r in rows))
+
+
+def _cell(by: dict[str, dict], impl: str, key: str, fmt: str) -> str:
+    return format(by[impl][key], fmt) if impl in by else "-"
 
 
 def _render(result: dict, rich: bool) -> None:
@@ -66,27 +80,28 @@ def _render(result: dict, rich: bool) -> None:
     note = "x = time per character relative to nn.LSTM in this run (lower is faster)"
     if result.get("load_warning"):
         note += f"\n{result['load_warning']}"
-    others = [i for i in IMPLS if i != "nn.LSTM"]
+    impls = _impls(result["rows"])
+    others = [i for i in impls if i != "nn.LSTM"]
     if not rich:
         typer.echo(head)
-        for (b, h, t, phase), by in _groups(result["rows"]):
-            ratios = "  ".join(f"{i} x{by[i]['ratio_to_lstm']:.2f}" for i in others)
-            speeds = "  ".join(f"{i} {by[i]['chars_per_s']:,.0f}" for i in IMPLS)
-            typer.echo(f"B={b} H={h} T={t} {phase}: {ratios}  |  chars/s: {speeds}")
+        for (prec, b, h, t, phase), by in _groups(result["rows"]):
+            ratios = "  ".join(f"{i} x{_cell(by, i, 'ratio_to_lstm', '.2f')}" for i in others if i in by)
+            speeds = "  ".join(f"{i} {_cell(by, i, 'chars_per_s', ',.0f')}" for i in impls if i in by)
+            typer.echo(f"{prec} B={b} H={h} T={t} {phase}: {ratios}  |  chars/s: {speeds}")
         typer.echo(note)
         return
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title="zlm bench", caption=f"{head}\n{note}")
-    for col in ("B", "H", "T", "phase"):
-        table.add_column(col, justify="right" if col != "phase" else "left")
+    for col in ("precision", "B", "H", "T", "phase"):
+        table.add_column(col, justify="left" if col in ("precision", "phase") else "right")
     for i in others:
         table.add_column(f"{i} x", justify="right")
-    for i in IMPLS:
+    for i in impls:
         table.add_column(f"{i} chars/s", justify="right")
-    for (b, h, t, phase), by in _groups(result["rows"]):
-        ratios = [f"{by[i]['ratio_to_lstm']:.2f}" for i in others]
-        speeds = [f"{by[i]['chars_per_s']:,.0f}" for i in IMPLS]
-        table.add_row(str(b), str(h), str(t), phase, *ratios, *speeds)
+    for (prec, b, h, t, phase), by in _groups(result["rows"]):
+        ratios = [_cell(by, i, "ratio_to_lstm", ".2f") for i in others]
+        speeds = [_cell(by, i, "chars_per_s", ",.0f") for i in impls]
+        table.add_row(prec, str(b), str(h), str(t), phase, *ratios, *speeds)
     Console().print(table)

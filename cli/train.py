@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+
 from zlm.cli.errors import handle_errors
 
 H_MODEL, H_TRAIN, H_RUN = "Model", "Training", "Run"
@@ -40,6 +41,7 @@ def command(
     seed: Annotated[int | None, typer.Option(help="Random seed.", rich_help_panel=H_TRAIN)] = None,
     device: Annotated[str | None, typer.Option(help="auto | cpu | cuda.", rich_help_panel=H_RUN)] = None,
     precision: Annotated[str | None, typer.Option(help="auto | fp32 | bf16 | fp16.", rich_help_panel=H_RUN)] = None,
+    cuda_graphs: Annotated[str | None, typer.Option(help="auto | on | off: replay each training window from a CUDA graph (auto: on with the CUDA fused cell in one process).", rich_help_panel=H_RUN)] = None,
     keep_last: Annotated[int | None, typer.Option(help="Step checkpoints to keep (plus best/).", rich_help_panel=H_RUN)] = None,
     log_every: Annotated[int | None, typer.Option(help="Steps between log lines.", rich_help_panel=H_RUN)] = None,
     nproc: Annotated[int | None, typer.Option(help="Launch N local processes (DistributedDataParallel).", rich_help_panel=H_RUN)] = None,
@@ -55,7 +57,7 @@ def command(
         zoneout_hidden=zoneout_hidden, dropout=dropout, cell=cell, batch_size=batch_size, bptt=bptt,
         lr=lr, optimizer=optimizer, weight_decay=weight_decay, clip=clip, schedule=schedule,
         warmup=warmup, epochs=epochs, max_steps=max_steps, eval_every=eval_every, state=state,
-        seed=seed, device=device, precision=precision, keep_last=keep_last, log_every=log_every,
+        seed=seed, device=device, precision=precision, cuda_graphs=cuda_graphs, keep_last=keep_last, log_every=log_every,
         zero=zero or None,
     )
     req = TrainRequest(source=source, out=out, resume=resume, preset=preset, overrides=overrides,

@@ -10,9 +10,9 @@ import json
 import pytest
 import torch
 from typer.testing import CliRunner
-from zlm.cli import app
 
 from zlm.bench import IMPLS, BenchConfig, grid_configs, measure, run_bench
+from zlm.cli import app
 from zlm.errors import UsageError
 
 TINY = ["--hidden", "8", "--batch-size", "2", "--bptt", "3", "--vocab", "5",
@@ -44,10 +44,39 @@ def test_cli_json_structure():
 def test_cli_plain_table_names_every_impl():
     result = CliRunner().invoke(app, ["bench", *TINY])
     assert result.exit_code == 0, result.output
-    lines = [ln for ln in result.output.splitlines() if ln.startswith("B=2 H=8 T=3")]
+    lines = [ln for ln in result.output.splitlines() if ln.startswith("fp32 B=2 H=8 T=3")]
     assert len(lines) == 2  # train, infer
     for impl in IMPLS:
         assert impl in lines[0]
+
+
+def test_precision_other_than_fp32_needs_cuda():
+    result = CliRunner().invoke(app, ["bench", *TINY, "--precision", "fp32,bf16"])
+    assert result.exit_code == 2
+    assert "--precision bf16 is for --device cuda" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+    with pytest.raises(UsageError, match="unknown precision 'fp8'"):
+        BenchConfig(precision="fp8")
+
+
+def test_render_with_graphed_rows_and_two_precisions(capsys):
+    """The CUDA layout (fused+graphs in train and infer only, fp32 and bf16), rendered plain."""
+    from zlm.cli.bench import _render
+
+    rows = []
+    for prec in ("fp32", "bf16"):
+        for phase, impls in (("train", IMPLS + ("fused+graphs",)), ("infer", IMPLS + ("fused+graphs",)),
+                             ("sample", IMPLS)):
+            for k, impl in enumerate(impls):
+                rows.append(dict(hidden=1000, batch_size=1 if phase == "sample" else 128, bptt=100,
+                                 vocab=128, precision=prec, phase=phase, impl=impl,
+                                 chars_per_s=1000.0 * (k + 1), ratio_to_lstm=1.0 / (k + 1)))
+    _render({"device": "cuda", "threads": 16, "torch": "x", "fused_cell": "Triton", "rows": rows}, rich=False)
+    out = capsys.readouterr().out.splitlines()
+    train = [ln for ln in out if ln.startswith("bf16 B=128 H=1000 T=100 train")]
+    assert len(train) == 1 and "fused+graphs x0.25" in train[0] and "fused+graphs 4,000" in train[0]
+    sample = [ln for ln in out if ln.startswith("fp32 B=1 H=1000 T=100 sample")]
+    assert len(sample) == 1 and "fused+graphs" not in sample[0]
 
 
 def test_grid_is_the_standard_one():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 import subprocess
 import sys
@@ -57,3 +58,12 @@ def test_wheel_contents(tmp_path):
     assert "zlm/cells/__init__.py" in names
     assert "zlm/corpora/catalog.json" in names
     assert not any(n.startswith("cli/") for n in names)
+
+
+def test_python_dash_m_runs_the_cli():
+    """`python -m zlm.cli` is the `zlm` command where the console script is not on PATH."""
+    r = subprocess.run([sys.executable, "-m", "zlm.cli", "--help"], capture_output=True, text=True,
+                       timeout=60, env={**os.environ, "NO_COLOR": "1", "COLUMNS": "100"})
+    assert r.returncode == 0, r.stderr
+    for command in ("prepare", "train", "eval", "sample", "bench", "recipe"):
+        assert command in r.stdout

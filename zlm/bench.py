@@ -5,7 +5,9 @@ Three implementations of the same character language model (embedding -> one LST
 
 - `nn.LSTM`: torch.nn.LSTM (oneDNN on the CPU, cuDNN on CUDA), no zoneout - the bar;
 - `reference`: `zlm.model.ZoneoutLM` with the reference cell, zoneout z_c 0.5, z_h 0.05;
-- `fused`: the same model with the cell `choose_cell("fused", device)` picks.
+- `fused`: the same model with the cell `choose_cell("fused", device)` picks;
+- `fused+graphs` (CUDA only): the fused model with each window's forward (and backward)
+  replayed from a CUDA graph (`zlm.graphs.CapturedStep`), as `zlm train` runs it.
 
 Phases: `train` (forward, backward; no optimizer step), `infer` (no_grad forward), both
 over (T, B) windows with the state carried, and `sample` (batch 1, one character at a
@@ -18,10 +20,11 @@ time per character relative to nn.LSTM measured in the same run. This module mea
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -30,9 +33,12 @@ from torch import nn
 from zlm.cells import choose_cell
 from zlm.cells.reference import zoneout_lstm_reference
 from zlm.errors import UsageError
+from zlm.graphs import CapturedStep
 from zlm.model import ModelConfig, ZoneoutLM
 
 IMPLS = ("nn.LSTM", "reference", "fused")
+GRAPHED = "fused+graphs"  # CUDA only
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 GRID_BATCH = (32, 128)
 GRID_HIDDEN = (256, 512, 1000)
 SAMPLE_HIDDEN = 512
@@ -51,8 +57,13 @@ class BenchConfig:
     repeats: int = 5  # timed rounds; the median is reported
     warmup: int = 2  # untimed calls per implementation and phase first
     sample_chars: int = 300  # characters generated per timed sample round
+    precision: str = "fp32"  # fp32 | bf16 | fp16: autocast around every forward (CUDA only)
 
     def __post_init__(self):
+        if self.precision not in PRECISIONS:
+            raise UsageError(f"unknown precision {self.precision!r}; pass --precision fp32, bf16 or fp16")
+        if self.precision != "fp32" and self.device != "cuda":
+            raise UsageError(f"--precision {self.precision} is for --device cuda; pass --precision fp32")
         for name in ("hidden", "batch_size", "bptt", "vocab", "embed", "repeats", "sample_chars"):
             if getattr(self, name) < 1:
                 raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -98,7 +109,7 @@ def _build(impl: str, cfg: BenchConfig, device: torch.device) -> nn.Module:
     torch.manual_seed(0)
     if impl == "nn.LSTM":
         return TorchLSTMLM(cfg.vocab, cfg.embed, cfg.hidden).to(device)
-    cell = zoneout_lstm_reference if impl == "reference" else _fused_cell(device)
+    cell = zoneout_lstm_reference if impl == "reference" else _fused_cell(device)  # fused, graphed
     mc = ModelConfig(cfg.vocab, hidden=cfg.hidden, embed=cfg.embed, zoneout_cell=0.5, zoneout_hidden=0.05)
     return ZoneoutLM(mc, cell=cell).to(device)
 
@@ -113,11 +124,49 @@ class _Runner:
         self.tokens = torch.randint(cfg.vocab, shape, generator=g).to(device)  # (T+1, B)
         self.state = None
         self.tok = torch.zeros(1, 1, dtype=torch.long, device=device)
+        self.graphed = impl == GRAPHED
+        self.graphs: dict[str, CapturedStep] = {}
+
+    def autocast(self):
+        dtype = PRECISIONS[self.cfg.precision]
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=dtype, cache_enabled=False)
+
+    def _graph_state(self) -> tuple:
+        if self.state is None:
+            self.state = self.model.initial_state(self.cfg.batch_size, self.device)
+        return self.state
+
+    def _train_fn(self, tokens, h0, c0):
+        with self.autocast():
+            logits, (h, c) = self.model(tokens[:-1], (h0, c0))
+        F.cross_entropy(logits.float().flatten(0, 1), tokens[1:].flatten()).backward()
+        return h.detach().float(), c.detach().float()
+
+    def _infer_fn(self, tokens, h0, c0):
+        with torch.no_grad(), self.autocast():
+            _, (h, c) = self.model(tokens[:-1], (h0, c0))
+        return h.float(), c.float()
+
+    def _replay(self, phase: str) -> int:
+        """The graphed implementation: capture the phase once, replay it after."""
+        self.model.train(phase == "train")
+        fn = self._train_fn if phase == "train" else self._infer_fn
+        if phase not in self.graphs:
+            params = list(self.model.parameters()) if phase == "train" else []
+            self.graphs[phase] = CapturedStep(fn, (self.tokens, *self._graph_state()), params)
+        h, c = self.graphs[phase](self.tokens, *self._graph_state())
+        self.state = (h.clone(), c.clone())
+        return self.cfg.bptt * self.cfg.batch_size
 
     def train(self) -> int:
+        if self.graphed:
+            return self._replay("train")
         self.model.train()
-        logits, state = self.model(self.tokens[:-1], self.state)  # (T, B, V)
-        loss = F.cross_entropy(logits.flatten(0, 1), self.tokens[1:].flatten())
+        with self.autocast():
+            logits, state = self.model(self.tokens[:-1], self.state)  # (T, B, V)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), self.tokens[1:].flatten())
         loss.backward()
         self.state = tuple(s.detach() for s in state)
         for p in self.model.parameters():
@@ -125,8 +174,10 @@ class _Runner:
         return self.cfg.bptt * self.cfg.batch_size
 
     def infer(self) -> int:
+        if self.graphed:
+            return self._replay("infer")
         self.model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), self.autocast():
             _, self.state = self.model(self.tokens[:-1], self.state)
         return self.cfg.bptt * self.cfg.batch_size
 
@@ -163,8 +214,9 @@ def measure(cfg: BenchConfig, phases: tuple[str, ...] = ("train", "infer")) -> l
     (lower is faster; nn.LSTM is 1.0).
     """
     device = resolve_device(cfg.device)
-    runners = {impl: _Runner(impl, cfg, device) for impl in IMPLS}
-    jobs = [(impl, phase) for phase in phases for impl in IMPLS]
+    impls = IMPLS + ((GRAPHED,) if device.type == "cuda" and phases != ("sample",) else ())
+    runners = {impl: _Runner(impl, cfg, device) for impl in impls}
+    jobs = [(impl, phase) for phase in phases for impl in impls]
     for impl, phase in jobs:
         for _ in range(cfg.warmup):
             getattr(runners[impl], phase)()
@@ -178,12 +230,13 @@ def measure(cfg: BenchConfig, phases: tuple[str, ...] = ("train", "infer")) -> l
             _sync(device)
             seconds[(impl, phase)].append((time.perf_counter() - t0) / chars)
     rows = []
-    size = dict(hidden=cfg.hidden, batch_size=cfg.batch_size, bptt=cfg.bptt, vocab=cfg.vocab)
+    size = dict(hidden=cfg.hidden, batch_size=cfg.batch_size, bptt=cfg.bptt, vocab=cfg.vocab,
+                precision=cfg.precision)
     if phases == ("sample",):
         size.update(batch_size=1, bptt=1)
     for phase in phases:
         bar = statistics.median(seconds[("nn.LSTM", phase)])
-        for impl in IMPLS:
+        for impl in impls:
             s = statistics.median(seconds[(impl, phase)])
             rows.append(dict(size, phase=phase, impl=impl, chars_per_s=1.0 / s, ratio_to_lstm=s / bar))
     return rows
@@ -195,17 +248,20 @@ def grid_configs(base: BenchConfig) -> list[BenchConfig]:
     return [BenchConfig(hidden=h, batch_size=b, bptt=100, **kw) for b in GRID_BATCH for h in GRID_HIDDEN]
 
 
-def run_bench(cfg: BenchConfig, grid: bool = False, sample: bool = False) -> dict:
+def run_bench(cfg: BenchConfig, grid: bool = False, sample: bool = False,
+              precisions: tuple[str, ...] = ()) -> dict:
     """The whole benchmark as one JSON-ready dict (see `measure` for the rows).
 
     grid: run `grid_configs(cfg)` and batch-1 sampling at H=512 instead of cfg's size;
-    sample: also measure batch-1 sampling at cfg.hidden.
+    sample: also measure batch-1 sampling at cfg.hidden; precisions: run every size in
+    each of these (default: cfg.precision).
     """
     device = resolve_device(cfg.device)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     rows: list[dict] = []
-    for c in grid_configs(cfg) if grid else [cfg]:
-        rows += measure(c)
+    for prec in precisions or (cfg.precision,):
+        for c in grid_configs(cfg) if grid else [cfg]:
+            rows += measure(replace(c, precision=prec))
     if grid or sample:
         h = SAMPLE_HIDDEN if grid else cfg.hidden
         rows += measure(BenchConfig(**{**asdict(cfg), "hidden": h}), phases=("sample",))

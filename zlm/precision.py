@@ -30,11 +30,12 @@ class Runtime:
     def autocast_dtype(self) -> torch.dtype | None:
         return _DTYPES[self.precision]
 
-    def autocast(self):
-        """Autocast for the forward pass (a no-op in fp32)."""
+    def autocast(self, cache: bool = True):
+        """Autocast for the forward pass (a no-op in fp32). cache=False inside a CUDA graph
+        capture: autocast's cast-weight cache must not outlive the captured region."""
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype, cache_enabled=cache)
 
     def grad_scaler(self) -> torch.amp.GradScaler:
         """A GradScaler, enabled only for fp16 (its state is checkpointed)."""

@@ -25,8 +25,9 @@ from zlm.cells import choose_cell
 from zlm.dataset import Dataset
 from zlm.errors import NonFiniteError, UsageError, ZlmError
 from zlm.evaluate import EvalProtocol, score_split
+from zlm.graphs import GRAPH_MODES, WindowStep, graphs_unavailable_reason, resolve_graphs
 from zlm.metrics import LN2, MetricsLog
-from zlm.model import ModelConfig, ZoneoutLM, token_nll
+from zlm.model import ModelConfig, ZoneoutLM
 from zlm.precision import resolve_runtime
 from zlm.report import Reporter
 from zlm.schedule import LRSchedule, ScheduleConfig
@@ -58,6 +59,7 @@ class TrainConfig:
     device: str = "auto"
     precision: str = "auto"
     cell: str = "auto"  # auto | fused | reference
+    cuda_graphs: str = "auto"  # auto | on | off: replay training windows from CUDA graphs
     keep_last: int = 3  # step checkpoints kept (plus best/)
     log_every: int = 10  # steps between log lines
     max_nonfinite: int = 5  # non-finite losses in a row before training stops
@@ -77,6 +79,8 @@ class TrainConfig:
             raise UsageError(f"--clip must be >= 0 (0 turns clipping off), got {self.clip}")
         if self.optimizer not in OPTIMIZERS:
             raise UsageError(f"unknown optimizer {self.optimizer!r}; pass --optimizer adam, adamw or sgd")
+        if self.cuda_graphs not in GRAPH_MODES:
+            raise UsageError(f"unknown --cuda-graphs {self.cuda_graphs!r}; pass auto, on or off")
         if self.state not in ("carry", "reset"):
             raise UsageError(f"unknown state protocol {self.state!r}; pass --state carry or reset")
         for name in ("epochs", "max_steps", "time_budget"):
@@ -177,7 +181,7 @@ def train(
     chars_per_token = info.characters / max(info.tokens, 1)
     steps_per_epoch = streams.windows_per_epoch
     total_steps = _planned_steps(cfg, steps_per_epoch)
-    sched = LRSchedule(cfg.schedule, cfg.lr, total_steps)
+    sched = LRSchedule(cfg.schedule, cfg.lr, total_steps, cfg.time_budget)
 
     config = {
         "zlm_version": zlm.__version__,
@@ -225,9 +229,12 @@ def train(
         t["valid_bpc"] = bpc
         return bpc
 
+    use_graphs, graphs_line = resolve_graphs(cfg.cuda_graphs, graphs_unavailable_reason(
+        runtime, cell.name, par.world, scaler.is_enabled(), hooked=fault is not None))
     rep.start({
         "run": str(run_dir), "parameters": f"{model.num_parameters():,}",
         "cell": f"{cell.name} ({cell.reason})", "runtime": runtime.describe(),
+        "cuda graphs": graphs_line,
         "processes": par.describe(), "data": f"{data.path} ({data.meta['tokenizer']['kind']}, "
         f"vocab {data.vocab_size}, {info.tokens:,} train tokens)",
         "plan": _describe_plan(cfg, total_steps, steps_per_epoch),
@@ -237,6 +244,7 @@ def train(
                   world_size=par.world, resumed_from=str(latest) if latest else None, step=t["step"])
 
     params = [p for p in model.parameters()]
+    window = WindowStep(ddp_model, runtime, scaler, graphs=use_graphs, fault=fault)
     window_nats, window_tokens, window_t0 = 0.0, 0, time.perf_counter()
     start_elapsed, start_step, t0 = t["elapsed"], t["step"], time.perf_counter()
     interrupted = None
@@ -254,14 +262,9 @@ def train(
             if batch.reset or state is None:
                 state = model.initial_state(x.shape[1], runtime.device)
             for g in optimizer.param_groups:
-                g["lr"] = sched.lr(t["step"])
+                g["lr"] = sched.lr(t["step"], t["elapsed"])
             ddp_model.train()
-            with runtime.autocast():
-                logits, new_state = ddp_model(x, state)
-            loss = token_nll(logits, y) / y.numel()  # mean nats per token, fp32
-            if fault is not None:
-                loss = fault(t["step"], loss)
-            scaler.scale(loss).backward()
+            loss, new_state = window(x, y, state, t["step"])  # forward + backward
             scaler.unscale_(optimizer)
             gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.clip if cfg.clip > 0 else math.inf)
             local_loss, gnorm = loss.item(), float(gnorm)  # the step's only host syncs
@@ -278,7 +281,7 @@ def train(
             t["epoch"] = streams.progress
             if finite:
                 t["nonfinite"] = 0
-                state = (new_state[0].detach().float(), new_state[1].detach().float())
+                state = new_state
                 window_nats += loss_value * y.numel()
                 window_tokens += y.numel()
             else:
