@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+
 from zlm.cli.errors import handle_errors
 from zlm.cli.render import use_rich
-
 from zlm.recipes import RecipeConfig, RecipeResult, run_recipe
 
 H_MODEL, H_BUDGET = "Model and training (default: the recipe's)", "Budget"
@@ -56,10 +56,10 @@ def command(
         help="Truncated backprop window (default: 100).", rich_help_panel=H_MODEL,
         show_default=False)] = None,
     lr: Annotated[float | None, typer.Option(
-        help="Adam learning rate (default: ablation 2e-3, cpu-small 3e-3).", rich_help_panel=H_MODEL,
+        help="Adam learning rate (default: ablation 3e-3, equal-budget 4e-3, decayed by cosine over the budget).", rich_help_panel=H_MODEL,
         show_default=False)] = None,
     eval_every: Annotated[int | None, typer.Option(
-        help="Validate and checkpoint every N steps (default: ablation 100, cpu-small 250).",
+        help="Validate and checkpoint every N steps (default: 200).",
         rich_help_panel=H_MODEL, show_default=False)] = None,
     log_every: Annotated[int | None, typer.Option(
         help="Steps between logged train BPC values (default: 10).", rich_help_panel=H_MODEL,

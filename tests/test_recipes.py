@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import shakespeare_text
 from typer.testing import CliRunner
-from zlm.cli import app
 
+from conftest import shakespeare_text
+from zlm.cli import app
 from zlm.curves import read_run
 from zlm.metrics import read_metrics
 from zlm.recipes import ABLATION, RecipeConfig, overfit_note, zoneout_ablation

@@ -10,9 +10,9 @@ from zlm.errors import UsageError
 PRESETS: dict[str, dict] = {
     "cpu-small": {
         "description": "learns visibly within minutes on 2 CPU cores",
-        "model": {"hidden": 256, "layers": 1, "embed": 64, "zoneout_cell": 0.1, "zoneout_hidden": 0.05,
+        "model": {"hidden": 512, "layers": 1, "embed": 64, "zoneout_cell": 0.1, "zoneout_hidden": 0.05,
                   "dropout": 0.0},
-        "train": {"batch_size": 32, "bptt": 100, "lr": 4e-3, "optimizer": "adam", "clip": 1.0,
+        "train": {"batch_size": 32, "bptt": 100, "lr": 3e-3, "optimizer": "adam", "clip": 1.0,
                   "eval_every": 300, "schedule": {"kind": "constant"}},
     },
     "zoneout-ptb-char": {
