@@ -110,6 +110,93 @@ def test_trainer_says_graphs_are_off_on_cpu(tiny_data, tmp_path):
                                                 cuda_graphs="on"), reporter=rep)
 
 
+# ------------------------------------- the replay contract on the CPU (eager stand-in)
+
+
+class EagerReplay(CapturedStep):
+    """CapturedStep with its four CUDA methods replaced: "capture" runs fn (after the same
+    warm-up calls, which draw random numbers the RNG restore must undo) and keeps its
+    outputs and gradients; "replay" reruns fn on the static inputs and writes the results
+    into those same tensors, as a CUDA graph replay writes into its static memory. All the
+    rest - copying inputs in, restoring the RNG, reattaching gradients, the trainer's use
+    of it - is the production code."""
+
+    def check_device(self, device):
+        pass
+
+    def get_rng_state(self):
+        return torch.get_rng_state()
+
+    def set_rng_state(self, state):
+        torch.set_rng_state(state)
+
+    def _capture(self):
+        for _ in range(self.warmup):
+            self._clear_grads()
+            self.fn(*self.static_inputs)
+        self._clear_grads()
+        return tuple(self.fn(*self.static_inputs))
+
+    def _replay(self):
+        self._clear_grads()
+        outputs = self.fn(*self.static_inputs)
+        for static, out in zip(self.static_outputs, outputs, strict=True):
+            static.copy_(out)
+        for g, p in zip(self.grads, self.params, strict=True):
+            g.copy_(p.grad)
+
+
+def test_replayed_windows_equal_eager_ones_on_cpu(monkeypatch):
+    """Windows of two shapes, state carried, grads set to None between steps (as the
+    trainer does): replay == eager bit for bit, one capture per shape, eager beyond."""
+    monkeypatch.setattr(WindowStep, "capture", EagerReplay)
+    monkeypatch.setattr("zlm.graphs.MAX_SHAPES", 2)
+    eager_m, graph_m = _model("cpu"), _model("cpu")
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    eager, graphed = WindowStep(eager_m, CPU, scaler), WindowStep(graph_m, CPU, scaler, graphs=True)
+    s_e = s_g = eager_m.initial_state(3)
+    for k, T in enumerate((7, 7, 5, 7, 4, 5)):  # 4 is a third shape: run eagerly
+        x, y = _batch("cpu", T=T, seed=10 + k)
+        torch.manual_seed(100 + k)
+        le, s_e = eager(x, y, s_e)
+        torch.manual_seed(100 + k)
+        lg, s_g = graphed(x, y, s_g)
+        assert torch.equal(lg, le) and torch.equal(s_g[0], s_e[0]) and torch.equal(s_g[1], s_e[1])
+        for (name, p), q in zip(graph_m.named_parameters(), eager_m.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad), name
+        with torch.no_grad():  # an optimizer step, then grads dropped, as in zlm.train
+            for m in (eager_m, graph_m):
+                for p in m.parameters():
+                    p -= 0.1 * p.grad
+                m.zero_grad(set_to_none=True)
+    assert len(graphed.captured) == 2 and graphed.replays == 5
+
+
+def test_trainer_through_the_replay_path_equals_eager(tiny_data, tmp_path, monkeypatch):
+    """zlm.train with graphs forced on (eager stand-in): the same losses, checkpoints and
+    validation as with graphs off, over validations, checkpoints and a resume."""
+    import zlm.train as zt
+
+    data = Dataset.open(tiny_data)
+    mc = ModelConfig(vocab_size=data.vocab_size, hidden=16, embed=8, zoneout_cell=0.3, zoneout_hidden=0.1)
+
+    def run(name, graphs):
+        if graphs:
+            monkeypatch.setattr(WindowStep, "capture", EagerReplay)
+            monkeypatch.setattr(zt, "graphs_unavailable_reason", lambda *a, **k: None)
+        cfg = TrainConfig(batch_size=4, bptt=16, max_steps=6, eval_every=3, device="cpu",
+                          cuda_graphs="on" if graphs else "off")
+        train(tmp_path / name, data, mc, cfg)
+        train(tmp_path / name, data, mc, TrainConfig(**{**cfg.to_dict(), "max_steps": 10}), resume=True)
+        monkeypatch.undo()
+        events = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        assert [e["cuda_graphs"] for e in events if e["event"] == "start"] == [graphs, graphs]
+        return ([e["loss"] for e in events if e["event"] == "step"],
+                [e["valid_bpc"] for e in events if e["event"] == "eval"])
+
+    assert run("graphed", True) == run("eager", False)
+
+
 # ------------------------------------------------------------------------------ CUDA
 
 def _need_cuda_fused():

@@ -47,28 +47,49 @@ class CapturedStep:
 
     def __init__(self, fn: Callable[..., Sequence[Tensor]], example_inputs: Sequence[Tensor],
                  params: Sequence[Tensor] = (), warmup: int = 3):
-        device = example_inputs[0].device
-        if device.type != "cuda":
-            raise ValueError(f"CUDA graphs need CUDA tensors; got {device}")
-        self.params = list(params)
+        self.device = example_inputs[0].device
+        self.check_device(self.device)
+        self.fn, self.params, self.warmup = fn, list(params), warmup
         self.static_inputs = [x.detach().clone() for x in example_inputs]
-        rng = torch.cuda.get_rng_state(device)
         saved_grads = [p.grad for p in self.params]
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):  # warm up: Triton compiles, cuBLAS picks kernels
-            for _ in range(warmup):
-                self._clear_grads()
-                fn(*self.static_inputs)
-        torch.cuda.current_stream(device).wait_stream(side)
+        rng = self.get_rng_state()
         self._clear_grads()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.static_outputs = tuple(fn(*self.static_inputs))
+        self.static_outputs = self._capture()
         self.grads = [p.grad for p in self.params]
         for p, g in zip(self.params, saved_grads, strict=True):
             p.grad = g
-        torch.cuda.set_rng_state(rng, device)
+        self.set_rng_state(rng)
+
+    # The CUDA-specific part: four small methods, so that tests can check everything else
+    # on the CPU with an eager stand-in (tests/test_graphs.py).
+
+    def check_device(self, device: torch.device) -> None:
+        if device.type != "cuda":
+            raise ValueError(f"CUDA graphs need CUDA tensors; got {device}")
+
+    def get_rng_state(self) -> Tensor:
+        return torch.cuda.get_rng_state(self.device)
+
+    def set_rng_state(self, state: Tensor) -> None:
+        torch.cuda.set_rng_state(state, self.device)
+
+    def _capture(self) -> tuple[Tensor, ...]:
+        """Warm up on a side stream (Triton compiles, cuBLAS picks kernels), then capture."""
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(self.warmup):
+                self._clear_grads()
+                self.fn(*self.static_inputs)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        self._clear_grads()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            outputs = tuple(self.fn(*self.static_inputs))
+        return outputs
+
+    def _replay(self) -> None:
+        self.graph.replay()
 
     def _clear_grads(self) -> None:
         for p in self.params:
@@ -77,7 +98,7 @@ class CapturedStep:
     def __call__(self, *inputs: Tensor) -> tuple[Tensor, ...]:
         for static, x in zip(self.static_inputs, inputs, strict=True):
             static.copy_(x, non_blocking=True)
-        self.graph.replay()
+        self._replay()
         for p, g in zip(self.params, self.grads, strict=True):
             p.grad = g
         return self.static_outputs
@@ -122,6 +143,8 @@ class WindowStep:
     same code runs eagerly.
     """
 
+    capture = CapturedStep  # tests substitute an eager stand-in
+
     def __init__(self, model: torch.nn.Module, runtime: Runtime, scaler: torch.amp.GradScaler,
                  graphs: bool = False, fault: Callable | None = None):
         self.model, self.runtime, self.scaler, self.graphs, self.fault = model, runtime, scaler, graphs, fault
@@ -146,7 +169,7 @@ class WindowStep:
         key = (tuple(x.shape), tuple(h0.shape))
         graph = self.captured.get(key)
         if graph is None and len(self.captured) < MAX_SHAPES:
-            graph = self.captured[key] = CapturedStep(self._forward_backward, (x, y, h0, c0), self.params)
+            graph = self.captured[key] = self.capture(self._forward_backward, (x, y, h0, c0), self.params)
         if graph is None:
             loss, h, c = self._forward_backward(x, y, h0, c0, step)
             return loss, (h, c)

@@ -241,6 +241,7 @@ def train(
     })
     if par.is_main:
         log.write("start", parameters=model.num_parameters(), cell=cell.name, runtime=runtime.describe(),
+                  cuda_graphs=use_graphs,
                   world_size=par.world, resumed_from=str(latest) if latest else None, step=t["step"])
 
     params = [p for p in model.parameters()]
