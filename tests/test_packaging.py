@@ -61,8 +61,8 @@ def test_wheel_contents(tmp_path):
 
 
 def test_python_dash_m_runs_the_cli():
-    """`python -m zlm.cli` is the `zlm` command where the console script is not on PATH."""
-    r = subprocess.run([sys.executable, "-m", "zlm.cli", "--help"], capture_output=True, text=True,
+    """`python -m zlm` is the `zlm` command where the console script is not on PATH."""
+    r = subprocess.run([sys.executable, "-m", "zlm", "--help"], capture_output=True, text=True,
                        timeout=60, env={**os.environ, "NO_COLOR": "1", "COLUMNS": "100"})
     assert r.returncode == 0, r.stderr
     for command in ("prepare", "train", "eval", "sample", "bench", "recipe"):
