@@ -38,6 +38,7 @@ def command(
     time_budget: Annotated[str | None, typer.Option(help="Stop after this much training time, e.g. 10m.", rich_help_panel=H_TRAIN)] = None,
     eval_every: Annotated[int | None, typer.Option(help="Validate and checkpoint every N steps.", rich_help_panel=H_TRAIN)] = None,
     state: Annotated[str | None, typer.Option(help="carry (TBPTT streams) | reset (paper's shuffled chunks).", rich_help_panel=H_TRAIN)] = None,
+    reset_prob: Annotated[float | None, typer.Option(help="carry: chance that a stream's state is zeroed before a window (teaches starting mid-text).", rich_help_panel=H_TRAIN)] = None,
     seed: Annotated[int | None, typer.Option(help="Random seed.", rich_help_panel=H_TRAIN)] = None,
     device: Annotated[str | None, typer.Option(help="auto | cpu | cuda.", rich_help_panel=H_RUN)] = None,
     precision: Annotated[str | None, typer.Option(help="auto | fp32 | bf16 | fp16.", rich_help_panel=H_RUN)] = None,
@@ -56,7 +57,7 @@ def command(
         hidden=hidden, layers=layers, embed=embed, zoneout_cell=zoneout_cell,
         zoneout_hidden=zoneout_hidden, dropout=dropout, cell=cell, batch_size=batch_size, bptt=bptt,
         lr=lr, optimizer=optimizer, weight_decay=weight_decay, clip=clip, schedule=schedule,
-        warmup=warmup, epochs=epochs, max_steps=max_steps, eval_every=eval_every, state=state,
+        warmup=warmup, epochs=epochs, max_steps=max_steps, eval_every=eval_every, state=state, reset_prob=reset_prob,
         seed=seed, device=device, precision=precision, cuda_graphs=cuda_graphs, keep_last=keep_last, log_every=log_every,
         zero=zero or None,
     )

@@ -29,6 +29,11 @@ def test_prepare_train_checkpoint_resume(tmp_path):
     assert (run / "best" / "model.safetensors").exists()
     cfg = json.loads((run / "config.json").read_text())
     assert cfg["model"]["hidden"] == 32 and cfg["train"]["max_steps"] == 4
+    assert cfg["train"]["reset_prob"] == 0.02  # cpu-small's
+
+    r = runner.invoke(app, ["train", str(data), "--out", str(tmp_path / "bad"), "--reset-prob", "1.5", *SMALL])
+    assert r.exit_code == 2 and "--reset-prob must be in [0, 1), got 1.5" in r.output
+    assert not (tmp_path / "bad").exists()
 
     # Same command line again without --resume: refused, nothing touched.
     r = runner.invoke(app, ["train", str(data), "--out", str(run), "--max-steps", "4", *SMALL])

@@ -39,12 +39,13 @@ def _losses(run_dir):
 
 
 @pytest.mark.parametrize("cell", ["reference", "auto"])
-@pytest.mark.parametrize("state", ["carry", "reset"])
+@pytest.mark.parametrize("state", ["carry", "reset", "carry+resets"])
 def test_resume_is_bit_identical(tiny_data, tmp_path, cell, state):
     data = Dataset.open(tiny_data)
-    mc, tc = _cfgs(data, max_steps=14, cell=cell, state=state)
+    kw = dict(state="carry", reset_prob=0.3) if state == "carry+resets" else dict(state=state)
+    mc, tc = _cfgs(data, max_steps=14, cell=cell, **kw)
     train(tmp_path / "a", data, mc, tc)
-    mc, half = _cfgs(data, max_steps=7, cell=cell, state=state)
+    mc, half = _cfgs(data, max_steps=7, cell=cell, **kw)
     train(tmp_path / "b", data, mc, half)
     rec = Recorder()
     train(tmp_path / "b", data, mc, tc, resume=True, reporter=rec)
@@ -149,3 +150,26 @@ def test_loss_falls_and_checkpoints_hold_only_safetensors_and_json(tiny_data, tm
     for d in list((tmp_path / "run" / "checkpoints").iterdir()) + [tmp_path / "run" / "best"]:
         suffixes = {p.suffix for p in d.iterdir()}
         assert suffixes <= {".safetensors", ".json"}, suffixes
+
+
+def test_reset_some_zeroes_the_drawn_streams_only():
+    from zlm.train import _reset_some
+
+    h, c = torch.randn(2, 64, 5), torch.randn(2, 64, 5)
+    h2, c2 = _reset_some((h, c), 0.25, (7, 0, 3))
+    zero = (h2 == 0).all(dim=(0, 2))
+    assert 5 <= int(zero.sum()) <= 30  # about a quarter of 64 streams
+    assert torch.equal(zero, (c2 == 0).all(dim=(0, 2)))
+    assert torch.equal(h2[:, ~zero], h[:, ~zero]) and torch.equal(c2[:, ~zero], c[:, ~zero])
+    again = _reset_some((h, c), 0.25, (7, 0, 3))  # the same (seed, rank, step): the same draw
+    assert torch.equal(again[0], h2)
+    other = _reset_some((h, c), 0.25, (7, 0, 4))
+    assert not torch.equal(other[0], h2)
+    assert _reset_some((h, c), 0.0, (7, 0, 3))[0] is h
+
+
+def test_reset_prob_must_be_a_probability():
+    with pytest.raises(UsageError, match="--reset-prob must be in"):
+        TrainConfig(reset_prob=1.0)
+    with pytest.raises(UsageError, match="--reset-prob must be in"):
+        TrainConfig(reset_prob=-0.1)

@@ -13,7 +13,7 @@ PRESETS: dict[str, dict] = {
         "model": {"hidden": 512, "layers": 1, "embed": 64, "zoneout_cell": 0.1, "zoneout_hidden": 0.05,
                   "dropout": 0.0},
         "train": {"batch_size": 32, "bptt": 100, "lr": 3e-3, "optimizer": "adam", "clip": 1.0,
-                  "eval_every": 300, "schedule": {"kind": "constant"}},
+                  "eval_every": 300, "reset_prob": 0.02, "schedule": {"kind": "constant"}},
     },
     "zoneout-ptb-char": {
         "description": "Krueger et al. 2016 Char-PTB: 1 x 1000 units, z_c 0.5, z_h 0.05 (1.27 test BPC)",

@@ -77,7 +77,7 @@ class RecipeConfig:
 # idle CPU cores (~24k characters/s) 11 minutes is ~15 epochs of tiny Shakespeare, past
 # where a plain 1x512 LSTM's valid BPC bottoms out; results.md says whether it did.
 ABLATION_DEFAULTS = dict(hidden=512, layers=1, embed=128, batch_size=32, bptt=100, lr=3e-3,
-                         eval_every=200, log_every=10, seed=1234, device="cpu")
+                         eval_every=200, log_every=10, seed=1234, device="cpu", reset_prob=0.0)
 # Equal budget: cpu-small with the learning rate decayed (cosine) over the time budget;
 # measured on 2 idle cores: valid 2.031 / test 2.234 (constant 3e-3: 2.036 / 2.276).
 EQUAL_BUDGET_OVERRIDES = dict(lr=4e-3, schedule="cosine", eval_every=200, device="cpu")

@@ -16,6 +16,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 import zlm
@@ -55,6 +56,7 @@ class TrainConfig:
     eval_every: int = 500  # validate (and checkpoint) every N steps, and at the end
     eval_streams: int = 16  # parallel streams for validation (EvalProtocol)
     state: str = "carry"  # carry: TBPTT streams, state carried | reset: paper's shuffled chunks
+    reset_prob: float = 0.0  # carry: chance a stream's state is zeroed before a window
     seed: int = 1234
     device: str = "auto"
     precision: str = "auto"
@@ -81,6 +83,8 @@ class TrainConfig:
             raise UsageError(f"unknown optimizer {self.optimizer!r}; pass --optimizer adam, adamw or sgd")
         if self.cuda_graphs not in GRAPH_MODES:
             raise UsageError(f"unknown --cuda-graphs {self.cuda_graphs!r}; pass auto, on or off")
+        if not 0.0 <= self.reset_prob < 1.0:
+            raise UsageError(f"--reset-prob must be in [0, 1), got {self.reset_prob}")
         if self.state not in ("carry", "reset"):
             raise UsageError(f"unknown state protocol {self.state!r}; pass --state carry or reset")
         for name in ("epochs", "max_steps", "time_budget"):
@@ -262,6 +266,8 @@ def train(
             y = batch.targets.to(runtime.device, non_blocking=True)
             if batch.reset or state is None:
                 state = model.initial_state(x.shape[1], runtime.device)
+            elif cfg.reset_prob > 0:
+                state = _reset_some(state, cfg.reset_prob, (cfg.seed, par.rank, t["step"]))
             for g in optimizer.param_groups:
                 g["lr"] = sched.lr(t["step"], t["elapsed"])
             ddp_model.train()
@@ -336,6 +342,20 @@ def train(
     rep.finish(summary)
     par.close()
     return summary
+
+
+def _reset_some(state: tuple, prob: float, key: tuple) -> tuple:
+    """Zero the carried state of each stream with probability prob (--reset-prob).
+
+    Without it a stream starts from a zero state only once per epoch, so an early model
+    never learns to start mid-text, which is exactly what evaluation's parallel streams
+    ask of it. The draw depends only on (seed, rank, step): resuming repeats it exactly.
+    """
+    drop = np.random.default_rng(key).random(state[0].shape[1]) < prob  # (B,)
+    if not drop.any():
+        return state
+    keep = torch.from_numpy(~drop).to(state[0].device, state[0].dtype)[None, :, None]  # (1, B, 1)
+    return state[0] * keep, state[1] * keep
 
 
 def _open_run_dir(run_dir: Path, config: dict) -> MetricsLog:
