@@ -111,6 +111,19 @@ def test_real_run_has_the_trainers_format(tmp_path):
     assert 0 < run.valid.seconds[0] <= run.valid.seconds[1] and run.parameters > 0
 
 
+def test_rounded_finish_time_does_not_override_the_exact_one(tmp_path):
+    """The finish event's elapsed_s is rounded to 0.1 s; for a run shorter than 0.05 s it
+    used to pull the last validation's time back to 0 (a flaky test above found it)."""
+    run = tmp_path / "run"
+    write_fake_run(run, steps=20, log_every=10, eval_every=10, s_per_step=0.002)
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    finish = json.loads(lines[-1])
+    finish["elapsed_s"] = 0.0  # round(0.04, 1)
+    lines[-1] = json.dumps(finish)
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    assert read_run(run).valid.seconds == pytest.approx((0.02, 0.04))
+
+
 def test_png_is_written_and_not_blank(runs, tmp_path):
     import matplotlib.image
 

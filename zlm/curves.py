@@ -147,7 +147,8 @@ def read_run(run_dir) -> RunCurves:
         elif kind == "finish":
             finish = e
             if step is not None and e.get("elapsed_s") is not None:
-                times[step] = float(e["elapsed_s"])
+                # rounded to 0.1 s: an anchor only where no train line gave the exact time
+                times.setdefault(step, float(e["elapsed_s"]))
         if isinstance(step, int):
             last_step = max(last_step, step)
     anchors = sorted(times.items())
