@@ -276,6 +276,26 @@ def test_cli_train_diverging_run_exits_3_with_one_line(tmp_path):
     assert "Traceback" not in r.output
 
 
+def test_cli_run_whose_validation_is_never_finite_exits_3(tmp_path):
+    """--lr 1e30 keeps the training loss finite (about 1e31 bits) but every validation is NaN:
+    the run used to end with exit 0 and best BPC inf. Now it says so and exits 3; its
+    checkpoints are still written and verify."""
+    text = tmp_path / "corpus.txt"
+    text.write_text(shakespeare_text(20_000), encoding="utf-8")
+    run = tmp_path / "run"
+    args = ["train", str(text), "--out", str(run), "--hidden", "16", "--embed", "8",
+            "--batch-size", "4", "--bptt", "20", "--max-steps", "20", "--eval-every", "10",
+            "--lr", "1e30", "--clip", "0"]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 3, r.output
+    lines = r.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: validation BPC was never finite"), r.stderr
+    assert "--lr" in lines[-1] and "Traceback" not in r.output
+    assert "warning: validation BPC at step 10 is nan; best/ keeps nothing yet" in r.output
+    assert not (run / "best").exists()
+    ckpt.verify(run / "checkpoints" / "step-00000020")
+
+
 @pytest.mark.parametrize("lr", ["1e38", "nan", "inf"])
 def test_cli_learning_rate_that_cannot_work_is_a_usage_error(tmp_path, lr):
     """1e38 used to crash inside Adam (RuntimeError: overflow) and nan used to be accepted."""

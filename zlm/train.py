@@ -219,6 +219,9 @@ def train(
                             par.rank, par.world)
         bpc = score.bpc
         improved = math.isfinite(bpc) and bpc < t["best_bpc"]
+        if not math.isfinite(bpc):
+            rep.message(f"warning: validation BPC at step {t['step']} is {bpc}; best/ keeps "
+                        f"{'the previous best' if math.isfinite(t['best_bpc']) else 'nothing yet'}")
         if improved:
             t["best_bpc"] = bpc
         sched.observe(bpc)
@@ -341,6 +344,11 @@ def train(
         log.close()
     rep.finish(summary)
     par.close()
+    if interrupted is None and not math.isfinite(t["best_bpc"]):
+        raise NonFiniteError(
+            f"validation BPC was never finite (last: {t.get('valid_bpc')} at step {t['step']}), so "
+            f"no best checkpoint was written; the model diverged: lower --lr or --clip and train again"
+        )
     return summary
 
 
