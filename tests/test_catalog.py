@@ -9,11 +9,10 @@ import zipfile
 
 import pytest
 
+from conftest import TINY_SHAKESPEARE, need_corpus
 from zlm import catalog
 from zlm.corpora import load_catalog
 from zlm.errors import DataError, UsageError
-
-SHARED = pathlib.Path(__file__).resolve().parents[2] / "shared"
 
 
 @pytest.fixture(autouse=True)
@@ -37,9 +36,7 @@ def test_catalog_loads_from_package_data():
 
 
 def test_tinyshakespeare_digest_matches_shared_copy():
-    path = SHARED / "corpora" / "tinyshakespeare" / "input.txt"
-    if not path.exists():
-        pytest.skip("../shared/corpora is not available")
+    path = need_corpus(TINY_SHAKESPEARE)
     expected = load_catalog()["corpora"]["tinyshakespeare"]["files"]["input.txt"]["sha256"]
     assert hashlib.sha256(path.read_bytes()).hexdigest() == expected
 

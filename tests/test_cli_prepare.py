@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import json
-import pathlib
 
 import pytest
 from typer.testing import CliRunner
 
+from conftest import CORPORA, need_corpus
 from zlm.cli import app
-
-SHARED = pathlib.Path(__file__).resolve().parents[2] / "shared"
-CORPORA = SHARED / "corpora"
 
 
 @pytest.fixture
@@ -36,8 +33,7 @@ def test_help(run):
 
 
 def test_tinyshakespeare_from_mirror(run, tmp_path):
-    if not CORPORA.exists():
-        pytest.skip("../shared/corpora is not available")
+    need_corpus(CORPORA / "tinyshakespeare")
     result = run("tinyshakespeare", "--out", tmp_path / "d", "--mirror", CORPORA)
     assert result.exit_code == 0, result.output
     assert "vocabulary 65" in result.stdout and "1,003,855 tokens" in result.stdout
@@ -54,8 +50,7 @@ def test_stdlib_offline(run, tmp_path):
 
 
 def test_ptb_char_valid_test_files(run, tmp_path):
-    if not CORPORA.exists():
-        pytest.skip("../shared/corpora is not available")
+    need_corpus(CORPORA / "ptb-char")
     symbols = "#$&'*-./0123456789<>N\\abcdefghijklmnopqrstuvwxyz"
     train = tmp_path / "train.txt"
     train.write_text((" ".join(symbols) + " _ a \n") * 5)

@@ -9,14 +9,13 @@ import pathlib
 import numpy as np
 import pytest
 
+from conftest import CORPORA, need_corpus
 from zlm import catalog
 from zlm.corpora import load_catalog
 from zlm.dataset import Dataset
 from zlm.errors import DataError, UsageError
 from zlm.prepare import PrepareConfig, prepare
 
-SHARED = pathlib.Path(__file__).resolve().parents[2] / "shared"
-CORPORA = SHARED / "corpora"
 SPLITS = ("train", "valid", "test")
 TEXT = "".join(f"line {i}: héllo wörld — ünïcode 漢字 {i * 7 % 13}\n" for i in range(400))
 
@@ -25,11 +24,6 @@ TEXT = "".join(f"line {i}: héllo wörld — ünïcode 漢字 {i * 7 % 13}\n" fo
 def _isolated(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.delenv(catalog.ENV_MIRROR, raising=False)
-
-
-def _need_shared():
-    if not CORPORA.exists():
-        pytest.skip("../shared/corpora is not available")
 
 
 def _text_file(tmp_path, text=TEXT, name="corpus.txt") -> pathlib.Path:
@@ -47,7 +41,7 @@ def _files(directory: pathlib.Path) -> dict[str, bytes]:
 
 
 def test_tinyshakespeare_char(tmp_path):
-    _need_shared()
+    need_corpus(CORPORA / "tinyshakespeare")
     ds = prepare("tinyshakespeare", tmp_path / "d", PrepareConfig(mirror=CORPORA))
     info = {s: ds.split_info(s) for s in SPLITS}
     assert ds.vocab_size == 65 and ds.dtype == np.uint8
@@ -148,7 +142,7 @@ def test_explicit_valid_test_and_unknown_characters(tmp_path):
 
 
 def test_ptb_char_files_decode_to_50_symbols(tmp_path):
-    _need_shared()
+    need_corpus(CORPORA / "ptb-char")
     symbols = "#$&'*-./0123456789<>N\\abcdefghijklmnopqrstuvwxyz"
     line = " ".join(symbols) + " _ " + " ".join("<unk>")
     train = _text_file(tmp_path, (line + " \n") * 10, "ptb.char.train.txt")
@@ -164,7 +158,7 @@ def test_ptb_char_files_decode_to_50_symbols(tmp_path):
 
 
 def test_ptb_char_corpus_from_mirror(tmp_path):
-    _need_shared()
+    need_corpus(CORPORA / "ptb-char")
     mirror = tmp_path / "m" / "ptb-char"
     mirror.mkdir(parents=True)
     for name in ("valid", "test"):
