@@ -12,9 +12,9 @@ from typing import Annotated
 
 import typer
 
-from zlm.bench import BenchConfig, run_bench
 from zlm.cli.errors import handle_errors
 from zlm.cli.render import use_rich
+from zlm.tools.bench import BenchConfig, run_bench
 
 
 @handle_errors

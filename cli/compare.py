@@ -14,8 +14,8 @@ import typer
 
 from zlm.cli.errors import handle_errors
 from zlm.cli.render import use_rich
-from zlm.compare import Comparison, compare_runs
-from zlm.report import fmt_duration
+from zlm.core.report import fmt_duration
+from zlm.tools.compare import Comparison, compare_runs
 
 RESULT_HEADERS = (("best_valid_bpc", "best valid BPC"), ("test_bpc", "test BPC"),
                   ("parameters", "params"), ("chars_per_s", "chars/s"),

@@ -16,7 +16,7 @@ import typer
 from zlm.cli.errors import handle_errors
 from zlm.cli.render import print_pairs, use_rich
 from zlm.errors import UsageError
-from zlm.evaluate import EvalConfig, EvalResult, evaluate
+from zlm.inference.evaluate import EvalConfig, EvalResult, evaluate
 
 
 @handle_errors

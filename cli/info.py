@@ -13,7 +13,7 @@ import typer
 
 from zlm.cli.errors import handle_errors
 from zlm.cli.render import print_pairs, use_rich
-from zlm.info import describe
+from zlm.tools.info import describe
 
 
 @handle_errors

@@ -15,9 +15,9 @@ import typer
 
 from zlm.cli.errors import handle_errors
 from zlm.cli.render import use_rich
-from zlm.curves import RunCurves, read_runs, sample_at
+from zlm.core.report import fmt_duration
 from zlm.errors import UsageError
-from zlm.report import fmt_duration
+from zlm.tools.curves import RunCurves, read_runs, sample_at
 
 BARS = "▁▂▃▄▅▆▇█"
 WIDTH = 48  # sparkline columns: fits 80 with the 7-column name and two values
@@ -41,7 +41,7 @@ def command(
         raise UsageError(f"--x {x} is not an axis; use chars or time")
     curves = read_runs(runs)
     if out is not None:
-        from zlm.plot import plot_runs
+        from zlm.tools.plot import plot_runs
 
         path = plot_runs(curves, out, x=x)
         typer.echo(f"wrote {path} ({len(curves)} run{'s' * (len(curves) != 1)})")

@@ -14,9 +14,9 @@ import typer
 
 from zlm.cli.errors import handle_errors
 from zlm.cli.render import use_rich
-from zlm.dataset import SPLITS
+from zlm.data.dataset import SPLITS
+from zlm.data.prepare import PrepareConfig, prepare
 from zlm.errors import UsageError
-from zlm.prepare import PrepareConfig, prepare
 
 
 def _fractions(text: str | None) -> tuple[float, ...] | None:

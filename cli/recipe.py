@@ -18,7 +18,7 @@ import typer
 
 from zlm.cli.errors import handle_errors
 from zlm.cli.render import use_rich
-from zlm.recipes import RecipeConfig, RecipeResult, run_recipe
+from zlm.tools.recipes import RecipeConfig, RecipeResult, run_recipe
 
 H_MODEL, H_BUDGET = "Model and training (default: the recipe's)", "Budget"
 
@@ -72,8 +72,8 @@ def command(
     as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
 ) -> None:
     """Run an experiment end to end: prepare, train, score the best checkpoints, plot."""
-    from zlm.progress import make_reporter
-    from zlm.report import PlainReporter
+    from zlm.core.progress import make_reporter
+    from zlm.core.report import PlainReporter
 
     config = RecipeConfig(corpus=corpus, out=out, mirror=mirror, minutes=minutes,
                           max_steps=max_steps, hidden=hidden, layers=layers, embed=embed,

@@ -9,7 +9,7 @@ import typer
 
 def use_rich() -> bool:
     """Rich on a terminal; plain lines when piped or when NO_COLOR is set."""
-    from zlm.progress import use_rich as on_terminal
+    from zlm.core.progress import use_rich as on_terminal
 
     return on_terminal()
 

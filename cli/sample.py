@@ -15,7 +15,7 @@ from typing import Annotated
 import typer
 
 from zlm.cli.errors import handle_errors
-from zlm.sample import SampleConfig, sample_checkpoint
+from zlm.inference.sample import SampleConfig, sample_checkpoint
 
 
 @handle_errors

@@ -51,7 +51,7 @@ def command(
     mirror: Annotated[Path | None, typer.Option(help="Local copy of named corpora.", rich_help_panel=H_RUN)] = None,
 ) -> None:
     """Train a zoneout LSTM language model on SOURCE; live BPC; safetensors checkpoints."""
-    from zlm.runner import TrainRequest, run_training
+    from zlm.training.runner import TrainRequest, run_training
 
     overrides = dict(
         hidden=hidden, layers=layers, embed=embed, zoneout_cell=zoneout_cell,

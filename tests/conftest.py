@@ -9,7 +9,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from zlm.tokenizers import CharTokenizer
+from zlm.data.tokenizers import CharTokenizer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHARED = pathlib.Path(os.environ.get("ZLM_SHARED", ROOT.parent / "shared"))

@@ -11,9 +11,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from zlm.bench import IMPLS, BenchConfig, grid_configs, measure, run_bench
 from zlm.cli import app
 from zlm.errors import UsageError
+from zlm.tools.bench import IMPLS, BenchConfig, grid_configs, measure, run_bench
 
 TINY = ["--hidden", "8", "--batch-size", "2", "--bptt", "3", "--vocab", "5",
         "--repeats", "2", "--warmup", "1"]  # fmt: skip

@@ -10,8 +10,8 @@ import zipfile
 import pytest
 
 from conftest import TINY_SHAKESPEARE, need_corpus
-from zlm import catalog
 from zlm.corpora import load_catalog
+from zlm.data import catalog
 from zlm.errors import DataError, UsageError
 
 

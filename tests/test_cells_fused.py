@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zlm.cells import choose_cell
-from zlm.cells.fused import zoneout_lstm_fused
-from zlm.cells.packed_gemm import backend_for, clear_cache
-from zlm.cells.reference import zoneout_lstm_reference
-from zlm.cells.workspace import clear_workspaces
-from zlm.model import ModelConfig, ZoneoutLM
+from zlm.model.cells import choose_cell
+from zlm.model.cells.fused import zoneout_lstm_fused
+from zlm.model.cells.packed_gemm import backend_for, clear_cache
+from zlm.model.cells.reference import zoneout_lstm_reference
+from zlm.model.cells.workspace import clear_workspaces
+from zlm.model.lm import ModelConfig, ZoneoutLM
 
 TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from zlm.cells.masks import draw_keep
-from zlm.cells.reference import zoneout_lstm_reference
-from zlm.model import ModelConfig, ZoneoutLM, ZoneoutLSTMLayer
+from zlm.model.cells.masks import draw_keep
+from zlm.model.cells.reference import zoneout_lstm_reference
+from zlm.model.lm import ModelConfig, ZoneoutLM, ZoneoutLSTMLayer
 
 
 def _params(I, H, dtype=torch.float32, seed=0):

@@ -1,4 +1,4 @@
-"""The Triton fused cell matches the reference cell, forward and gradients (zlm.cells.triton).
+"""The Triton fused cell matches the reference cell, forward and gradients (zlm.model.cells.triton).
 
 Every parity case below runs two ways:
 - on CUDA, compiled (`test_triton_cuda[...]`, marked gpu; skipped without a device);
@@ -31,8 +31,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from zlm.cells.reference import zoneout_lstm_reference
-from zlm.cells.triton import triton_unavailable_reason, zoneout_lstm_triton
+from zlm.model.cells.reference import zoneout_lstm_reference
+from zlm.model.cells.triton import triton_unavailable_reason, zoneout_lstm_triton
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -242,7 +242,7 @@ def test_triton_cell_refuses_cpu_tensors():
 
 
 def test_triton_cell_module_imports_without_importing_triton():
-    code = "import sys, zlm.cells.triton; assert 'triton' not in sys.modules"
+    code = "import sys, zlm.model.cells.triton; assert 'triton' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 

@@ -11,9 +11,9 @@ from typer.testing import CliRunner
 
 from conftest import shakespeare_text, write_char_dataset
 from zlm.cli import app
-from zlm.dataset import Dataset
-from zlm.model import ModelConfig
-from zlm.train import TrainConfig, train
+from zlm.data.dataset import Dataset
+from zlm.model.lm import ModelConfig
+from zlm.training.trainer import TrainConfig, train
 
 runner = CliRunner()
 

@@ -116,7 +116,7 @@ def test_plain_output_with_no_color(run, tmp_path):
 
 def test_rich_rendering(tmp_path, capsys):
     from zlm.cli import prepare as cli_prepare
-    from zlm.prepare import PrepareConfig
+    from zlm.data.prepare import PrepareConfig
 
     src = tmp_path / "a.txt"
     src.write_text("abc\n" * 100)

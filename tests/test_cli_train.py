@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from conftest import shakespeare_text
 from zlm.cli import app
-from zlm.metrics import read_metrics
+from zlm.core.metrics import read_metrics
 
 runner = CliRunner()
 SMALL = ["--hidden", "32", "--embed", "8", "--batch-size", "4", "--bptt", "20", "--log-every", "2",

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from zlm.cli import app
 from zlm.cli.compare import rich_table
-from zlm.compare import compare_runs, differing, flatten
+from zlm.tools.compare import compare_runs, differing, flatten
 
 runner = CliRunner()
 

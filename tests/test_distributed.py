@@ -21,16 +21,16 @@ import numpy as np
 import pytest
 import torch
 
-from zlm import checkpoint as ckpt
-from zlm.dataset import Dataset
+from zlm.core import checkpoint as ckpt
+from zlm.core.metrics import read_metrics
+from zlm.core.precision import resolve_runtime
+from zlm.core.scoring import EvalProtocol, score_split
+from zlm.data.dataset import Dataset
+from zlm.data.streams import CarryStreams
 from zlm.errors import CheckpointError
-from zlm.evaluate import EvalProtocol, score_split
-from zlm.launch import WorkersFailed, run_local
-from zlm.metrics import read_metrics
-from zlm.model import ModelConfig, ZoneoutLM
-from zlm.precision import resolve_runtime
-from zlm.streams import CarryStreams
-from zlm.train import TrainConfig, train
+from zlm.model.lm import ModelConfig, ZoneoutLM
+from zlm.training.launch import WorkersFailed, run_local
+from zlm.training.trainer import TrainConfig, train
 
 pytestmark = pytest.mark.distributed
 
@@ -85,7 +85,7 @@ def _parity_worker(data_dir: str, root: str) -> None:
 
 def _faulty_worker(data_dir: str, run_dir: str, how: str, max_steps: int) -> None:
     """Rank 1 dies (kill) or stops answering (hang) during step 13 of the first attempt."""
-    from zlm.distributed import restart_count
+    from zlm.training.distributed import restart_count
 
     data = Dataset.open(data_dir)
     mc, tc = _cfgs(data, max_steps=max_steps, eval_every=5)

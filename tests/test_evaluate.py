@@ -13,13 +13,13 @@ from typer.testing import CliRunner
 
 from conftest import shakespeare_text, write_char_dataset
 from zlm.cli import app
-from zlm.dataset import Dataset
+from zlm.core.precision import resolve_runtime
+from zlm.core.scoring import EvalProtocol, cold_start_bound, score_predictions
+from zlm.data.dataset import Dataset
 from zlm.errors import DataError
-from zlm.evaluate import EvalProtocol, cold_start_bound, score_predictions
-from zlm.inference import load
-from zlm.model import ModelConfig, ZoneoutLM
-from zlm.precision import resolve_runtime
-from zlm.train import TrainConfig, train
+from zlm.inference.api import load
+from zlm.model.lm import ModelConfig, ZoneoutLM
+from zlm.training.trainer import TrainConfig, train
 
 
 def train_tiny(run_dir, data_dir, steps=20):
@@ -97,7 +97,7 @@ def test_every_prediction_is_counted_once(n, streams):
 
 
 def test_char_byte_and_bpe_models_are_scored_over_the_same_characters(tmp_path):
-    from zlm.prepare import PrepareConfig, prepare
+    from zlm.data.prepare import PrepareConfig, prepare
 
     text = ("Crème brûlée, naïve café — déjà vu.\n" * 20) + shakespeare_text(20_000)
     src = tmp_path / "corpus.txt"
@@ -122,7 +122,7 @@ def test_unknown_characters_in_a_text_error_or_are_replaced(run, tmp_path):
     lm = load(run)
     with pytest.raises(DataError, match=r"'€' \(U\+20AC\) at character 3"):
         lm.evaluate_text("abc€d")
-    from zlm.prepare import PrepareConfig, prepare
+    from zlm.data.prepare import PrepareConfig, prepare
 
     src = tmp_path / "c.txt"
     src.write_text(shakespeare_text(20_000), encoding="utf-8")

@@ -20,16 +20,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from zlm import checkpoint as ckpt
-from zlm.dataset import Dataset
-from zlm.distributed import Parallel
+from zlm.core import checkpoint as ckpt
+from zlm.core.report import Reporter
+from zlm.data.dataset import Dataset
+from zlm.data.streams import CarryStreams
 from zlm.errors import ZlmError
-from zlm.model import ModelConfig, ZoneoutLM
-from zlm.report import Reporter
-from zlm.schedule import LRSchedule, ScheduleConfig
-from zlm.streams import CarryStreams
-from zlm.train import TrainConfig, train
-from zlm.trainstate import save_training_checkpoint
+from zlm.model.lm import ModelConfig, ZoneoutLM
+from zlm.training.distributed import Parallel
+from zlm.training.schedule import LRSchedule, ScheduleConfig
+from zlm.training.state import save_training_checkpoint
+from zlm.training.trainer import TrainConfig, train
 
 
 def _saver(data: Dataset):

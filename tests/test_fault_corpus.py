@@ -17,9 +17,9 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from zlm.dataset import SPLITS, Dataset
+from zlm.data.dataset import SPLITS, Dataset
+from zlm.data.prepare import PrepareConfig, prepare
 from zlm.errors import DataError
-from zlm.prepare import PrepareConfig, prepare
 
 FAST = settings(max_examples=60, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -223,7 +223,7 @@ def test_prepare_twice_is_byte_identical(text, tok):
 
 _CHILD = """
 import sys
-from zlm.prepare import PrepareConfig, prepare
+from zlm.data.prepare import PrepareConfig, prepare
 prepare(sys.argv[1], sys.argv[2], PrepareConfig(chunk_bytes=4096), force=True)
 print("done", flush=True)
 """

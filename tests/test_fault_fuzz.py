@@ -20,12 +20,12 @@ import time
 import pytest
 
 from conftest import shakespeare_text, write_char_dataset
-from zlm import checkpoint as ckpt
-from zlm import inference
-from zlm.dataset import Dataset
+from zlm.core import checkpoint as ckpt
+from zlm.data.dataset import Dataset
 from zlm.errors import CheckpointError
-from zlm.model import ModelConfig
-from zlm.train import TrainConfig, train
+from zlm.inference import load as inference
+from zlm.model.lm import ModelConfig
+from zlm.training.trainer import TrainConfig, train
 
 pytestmark = pytest.mark.slow
 

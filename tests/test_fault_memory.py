@@ -10,12 +10,12 @@ import os
 import numpy as np
 import torch
 
-from zlm.dataset import Dataset
-from zlm.evaluate import EvalProtocol, score_predictions
-from zlm.model import ModelConfig, ZoneoutLM
-from zlm.precision import resolve_runtime
-from zlm.tokenizers import CharTokenizer
-from zlm.train import TrainConfig, train
+from zlm.core.precision import resolve_runtime
+from zlm.core.scoring import EvalProtocol, score_predictions
+from zlm.data.dataset import Dataset
+from zlm.data.tokenizers import CharTokenizer
+from zlm.model.lm import ModelConfig, ZoneoutLM
+from zlm.training.trainer import TrainConfig, train
 
 MB = 1024 * 1024
 

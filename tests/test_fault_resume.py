@@ -13,15 +13,15 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-import zlm.train
+import zlm.training.trainer
 from conftest import shakespeare_text, write_char_dataset
-from zlm import checkpoint as ckpt
 from zlm.cli import app
-from zlm.dataset import Dataset
+from zlm.core import checkpoint as ckpt
+from zlm.core.metrics import read_metrics
+from zlm.data.dataset import Dataset
 from zlm.errors import NonFiniteError
-from zlm.metrics import read_metrics
-from zlm.model import ModelConfig
-from zlm.train import TrainConfig, train
+from zlm.model.lm import ModelConfig
+from zlm.training.trainer import TrainConfig, train
 
 
 class RecordingStreams:
@@ -43,8 +43,8 @@ class RecordingStreams:
 def recorded(monkeypatch):
     """A list that collects (inputs, reset, stream state) for every training step."""
     log: list = []
-    real = zlm.train.make_streams
-    monkeypatch.setattr(zlm.train, "make_streams",
+    real = zlm.training.trainer.make_streams
+    monkeypatch.setattr(zlm.training.trainer, "make_streams",
                         lambda *a, **k: RecordingStreams(real(*a, **k), log))
     return log
 
@@ -154,7 +154,7 @@ def test_keep_last_and_best_rotation_across_two_resumes(small_data, tmp_path):
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 @pytest.mark.parametrize("which", [1, 2])  # the first eval (no best yet) or a later one
 def test_non_finite_validation_never_becomes_best(small_data, tmp_path, monkeypatch, bad, which):
-    real = zlm.train.score_split
+    real = zlm.training.trainer.score_split
     calls = []
 
     def score_split(*a, **k):
@@ -162,7 +162,7 @@ def test_non_finite_validation_never_becomes_best(small_data, tmp_path, monkeypa
         calls.append(score)
         return dataclasses.replace(score, nats=bad) if len(calls) == which else score
 
-    monkeypatch.setattr(zlm.train, "score_split", score_split)
+    monkeypatch.setattr(zlm.training.trainer, "score_split", score_split)
     run = tmp_path / "run"
     mc, tc = _cfgs(small_data, max_steps=6, eval_every=2)
     before = None

@@ -13,10 +13,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from zlm import checkpoint as ckpt
+from zlm.core import checkpoint as ckpt
+from zlm.core.checkpoint import load_weights
 from zlm.errors import CheckpointError
-from zlm.model import ModelConfig, ZoneoutLM
-from zlm.trainstate import load_weights
+from zlm.model.lm import ModelConfig, ZoneoutLM
 
 
 @pytest.fixture

@@ -15,13 +15,13 @@ import json
 import pytest
 import torch
 
-from zlm.cells import choose_cell
-from zlm.dataset import Dataset
+from zlm.core.precision import Runtime
+from zlm.data.dataset import Dataset
 from zlm.errors import UsageError
-from zlm.graphs import CapturedStep, WindowStep, graphs_unavailable_reason, resolve_graphs
-from zlm.model import ModelConfig, ZoneoutLM, token_nll
-from zlm.precision import Runtime
-from zlm.train import TrainConfig, train
+from zlm.model.cells import choose_cell
+from zlm.model.lm import ModelConfig, ZoneoutLM, token_nll
+from zlm.training.graphs import CapturedStep, WindowStep, graphs_unavailable_reason, resolve_graphs
+from zlm.training.trainer import TrainConfig, train
 
 CPU = Runtime(torch.device("cpu"), "fp32")
 CUDA = Runtime(torch.device("cuda"), "fp32")
@@ -150,7 +150,7 @@ def test_replayed_windows_equal_eager_ones_on_cpu(monkeypatch):
     """Windows of two shapes, state carried, grads set to None between steps (as the
     trainer does): replay == eager bit for bit, one capture per shape, eager beyond."""
     monkeypatch.setattr(WindowStep, "capture", EagerReplay)
-    monkeypatch.setattr("zlm.graphs.MAX_SHAPES", 2)
+    monkeypatch.setattr("zlm.training.graphs.MAX_SHAPES", 2)
     eager_m, graph_m = _model("cpu"), _model("cpu")
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     eager, graphed = WindowStep(eager_m, CPU, scaler), WindowStep(graph_m, CPU, scaler, graphs=True)
@@ -175,7 +175,7 @@ def test_replayed_windows_equal_eager_ones_on_cpu(monkeypatch):
 def test_trainer_through_the_replay_path_equals_eager(tiny_data, tmp_path, monkeypatch):
     """zlm.train with graphs forced on (eager stand-in): the same losses, checkpoints and
     validation as with graphs off, over validations, checkpoints and a resume."""
-    import zlm.train as zt
+    import zlm.training.trainer as zt
 
     data = Dataset.open(tiny_data)
     mc = ModelConfig(vocab_size=data.vocab_size, hidden=16, embed=8, zoneout_cell=0.3, zoneout_hidden=0.1)

@@ -12,12 +12,12 @@ import safetensors
 import safetensors.torch
 
 from conftest import shakespeare_text, write_char_dataset
-from zlm.dataset import Dataset
+from zlm.data.dataset import Dataset
 from zlm.errors import CheckpointError
-from zlm.inference import load
-from zlm.info import describe
-from zlm.model import ModelConfig
-from zlm.train import TrainConfig, train
+from zlm.inference.api import load
+from zlm.model.lm import ModelConfig
+from zlm.tools.info import describe
+from zlm.training.trainer import TrainConfig, train
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def _forbid_tensor_loading(monkeypatch):
         for name in ("safe_open", "load_file", "load"):
             if hasattr(mod, name):
                 monkeypatch.setattr(mod, name, boom)
-    monkeypatch.setattr("zlm.checkpoint.load_file", boom)
+    monkeypatch.setattr("zlm.core.checkpoint.load_file", boom)
 
 
 def _garble_tensor_data(path):

@@ -55,7 +55,7 @@ def test_wheel_contents(tmp_path):
     (wheel,) = tmp_path.glob("zlm-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "zlm/cli/__init__.py" in names
-    assert "zlm/cells/__init__.py" in names
+    assert "zlm/model/cells/__init__.py" in names
     assert "zlm/corpora/catalog.json" in names
     assert not any(n.startswith("cli/") for n in names)
 

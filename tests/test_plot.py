@@ -18,10 +18,10 @@ from typer.testing import CliRunner
 from conftest import shakespeare_text, write_char_dataset
 from zlm.cli import app
 from zlm.cli.plot import WIDTH, render_terminal, terminal_lines
-from zlm.curves import Curve, read_run, read_runs, sample_at
-from zlm.dataset import Dataset
-from zlm.model import ModelConfig
-from zlm.train import TrainConfig, train
+from zlm.data.dataset import Dataset
+from zlm.model.lm import ModelConfig
+from zlm.tools.curves import Curve, read_run, read_runs, sample_at
+from zlm.training.trainer import TrainConfig, train
 
 runner = CliRunner()
 

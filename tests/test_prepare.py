@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from conftest import CORPORA, need_corpus
-from zlm import catalog
 from zlm.corpora import load_catalog
-from zlm.dataset import Dataset
+from zlm.data import catalog
+from zlm.data.dataset import Dataset
+from zlm.data.prepare import PrepareConfig, prepare
 from zlm.errors import DataError, UsageError
-from zlm.prepare import PrepareConfig, prepare
 
 SPLITS = ("train", "valid", "test")
 TEXT = "".join(f"line {i}: héllo wörld — ünïcode 漢字 {i * 7 % 13}\n" for i in range(400))

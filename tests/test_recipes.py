@@ -9,9 +9,9 @@ from typer.testing import CliRunner
 
 from conftest import shakespeare_text
 from zlm.cli import app
-from zlm.curves import read_run
-from zlm.metrics import read_metrics
-from zlm.recipes import ABLATION, RecipeConfig, overfit_note, zoneout_ablation
+from zlm.core.metrics import read_metrics
+from zlm.tools.curves import read_run
+from zlm.tools.recipes import ABLATION, RecipeConfig, overfit_note, zoneout_ablation
 
 runner = CliRunner()
 TINY = ["--hidden", "16", "--embed", "8", "--batch-size", "4", "--bptt", "16",

@@ -7,13 +7,13 @@ import math
 import pytest
 import torch
 
-from zlm.cells import choose_cell
+from zlm.core.precision import resolve_runtime
+from zlm.data.tokenizers import ByteTokenizer, CharTokenizer, train_tokenizer
 from zlm.errors import UsageError
-from zlm.inference import LanguageModel
-from zlm.model import ModelConfig, ZoneoutLM, token_nll
-from zlm.precision import resolve_runtime
-from zlm.sample import SampleConfig, Stepper, generate, sample_text
-from zlm.tokenizers import ByteTokenizer, CharTokenizer, train_tokenizer
+from zlm.inference.api import LanguageModel
+from zlm.inference.sample import SampleConfig, Stepper, generate, sample_text
+from zlm.model.cells import choose_cell
+from zlm.model.lm import ModelConfig, ZoneoutLM, token_nll
 
 CHARS = list("abcdefghijklmnopqrstuvwxyz ,.:\n")
 

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from zlm.errors import UsageError
-from zlm.schedule import LRSchedule, ScheduleConfig
+from zlm.training.schedule import LRSchedule, ScheduleConfig
 
 
 def test_constant_with_warmup():

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from zlm.data.textio import PtbCharDecoder, iter_bytes, iter_text, resolve_files
 from zlm.errors import DataError, UsageError
-from zlm.textio import PtbCharDecoder, iter_bytes, iter_text, resolve_files
 
 SHARED = pathlib.Path(__file__).resolve().parents[2] / "shared"
 

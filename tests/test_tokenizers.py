@@ -9,14 +9,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zlm.errors import DataError, UsageError
-from zlm.tokenizers import (
+from zlm.data.tokenizers import (
     ByteTokenizer,
     CharTokenizer,
     load_tokenizer,
     token_dtype,
     train_tokenizer,
 )
+from zlm.errors import DataError, UsageError
 
 SHARED = pathlib.Path(__file__).resolve().parents[2] / "shared"
 SHAKESPEARE = SHARED / "corpora" / "tinyshakespeare" / "input.txt"

@@ -10,12 +10,12 @@ import signal
 import pytest
 import torch
 
-from zlm.dataset import Dataset
+from zlm.core.metrics import read_metrics
+from zlm.core.report import Reporter
+from zlm.data.dataset import Dataset
 from zlm.errors import DataError, NonFiniteError, UsageError
-from zlm.metrics import read_metrics
-from zlm.model import ModelConfig
-from zlm.report import Reporter
-from zlm.train import TrainConfig, train
+from zlm.model.lm import ModelConfig
+from zlm.training.trainer import TrainConfig, train
 
 
 class Recorder(Reporter):
@@ -105,7 +105,7 @@ def test_nonfinite_losses_skip_updates_then_stop(tiny_data, tmp_path):
     events = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert sum(r["event"] == "nonfinite" for r in events) == 3
     # The last good checkpoint is intact and its weights are finite.
-    from zlm import checkpoint as ckpt
+    from zlm.core import checkpoint as ckpt
 
     loaded = ckpt.load(last_good)
     assert all(torch.isfinite(t).all() for t in loaded.model.values())
@@ -153,7 +153,7 @@ def test_loss_falls_and_checkpoints_hold_only_safetensors_and_json(tiny_data, tm
 
 
 def test_reset_some_zeroes_the_drawn_streams_only():
-    from zlm.train import _reset_some
+    from zlm.training.trainer import _reset_some
 
     h, c = torch.randn(2, 64, 5), torch.randn(2, 64, 5)
     h2, c2 = _reset_some((h, c), 0.25, (7, 0, 3))

@@ -4,14 +4,16 @@ The library is generic and has no command-line dependencies: the Typer app lives
 `zlm.cli` (the repository's `cli/` folder) and the rich renderer in `zlm.progress`.
 """
 
-__version__ = "0.1.0"
+from zlm.version import __version__
+
+__all__ = ["__version__", "load"]
 
 
 def __getattr__(name: str):
-    """`zlm.load(path)` (zlm.inference.load), imported on first use so that `import zlm`
+    """`zlm.load(path)` (zlm.inference.api.load), imported on first use so that `import zlm`
     stays free of torch."""
     if name == "load":
-        from zlm.inference import load
+        from zlm.inference.api import load
 
         return load
     raise AttributeError(f"module 'zlm' has no attribute {name!r}")

@@ -1,0 +1,149 @@
+"""Scoring a token sequence: summed NLL with the LSTM state carried across it.
+
+Owns the evaluation protocol (`EvalProtocol`) and the scoring loop that training's
+validation and `zlm eval` (`zlm.inference.evaluate`) share (`score_predictions`,
+`score_split`).
+
+Protocol (printed with every result): the text's N tokens give N-1 predictions. They
+are cut into S contiguous streams of L = (N-1) // S predictions, evaluated in parallel
+in windows of `bptt` tokens with the state carried from window to window and never
+reset; the last stream then continues, state carried, over the remaining (N-1) - S*L
+predictions. Every prediction is counted exactly once. A split's first token is context
+only (it continues the previous split); a text (`--file`, `evaluate_text`) is preceded
+by one newline token as context, so every one of its characters is predicted and char,
+byte and subword models of the same text are scored over the same character count.
+
+Each stream starts from a zero state, so more streams mean more cold starts: each extra
+stream adds the excess loss of its first ~100 characters. Measured on tiny Shakespeare's
+valid split (55,769 characters) with a 1 x 256 model at 2.79 BPC: 5-7 bits per extra
+stream in total, i.e. S = 16 adds 0.0013 BPC over S = 1, S = 64 adds 0.0065 and S = 128
+adds 0.015. A better model leans on longer context and pays more per cold start, so the
+documented bound (`cold_start_bound`, checked by tests/test_evaluate.py) is 50 bits per
+extra stream: S = 16 on a 300k-character split costs at most 0.0025 BPC. For the exact
+single-stream number pass --batch-size 1.
+Under DDP the streams are divided among ranks and the sums are all-reduced, so the
+result does not depend on the world size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from zlm.core.metrics import Score
+from zlm.core.precision import Runtime
+from zlm.errors import UsageError
+from zlm.model.lm import ZoneoutLM, token_nll
+
+COLD_START_BITS = 50.0  # bound on the total excess bits of one extra stream's cold start
+
+
+def cold_start_bound(streams: int, characters: int) -> float:
+    """The most BPC that `streams` parallel streams may add over one stream on a text of
+    `characters` characters: COLD_START_BITS per extra stream, spread over the text."""
+    return COLD_START_BITS * max(streams - 1, 0) / max(characters, 1)
+
+
+@dataclass(frozen=True)
+class EvalProtocol:
+    """How a text is cut into streams and windows."""
+
+    streams: int = 16  # parallel streams S (fewer if the text is short); --batch-size
+    bptt: int = 256  # window length; the state is carried across windows; --bptt
+
+    def __post_init__(self):
+        if self.streams < 1:
+            raise UsageError(f"--batch-size (parallel streams) must be >= 1, got {self.streams}")
+        if self.bptt < 1:
+            raise UsageError(f"--bptt must be >= 1, got {self.bptt}")
+
+    def describe(self, n_predictions: int, context: str = "") -> str:
+        S = self.streams_for(n_predictions)
+        what = f"; {context}" if context else ""
+        return (f"{S} parallel streams of {n_predictions // S:,} predictions, state carried "
+                f"across {self.bptt}-token windows, never reset; {n_predictions:,} predictions"
+                f"{what}")
+
+    def streams_for(self, n_predictions: int) -> int:
+        return max(1, min(self.streams, n_predictions))
+
+
+def _windows(tokens: np.ndarray, starts: np.ndarray, length: int, bptt: int, dev):
+    """(inputs, targets), each (T, B), for streams at `starts` of `length` predictions.
+
+    Reads one window at a time from `tokens` (a memory map is fine), so memory does not
+    grow with the length of the split.
+    """
+    for s in range(0, length, bptt):
+        T = min(bptt, length - s)
+        idx = starts[None, :] + s + np.arange(T + 1)[:, None]  # (T+1, B)
+        window = torch.from_numpy(np.asarray(tokens[idx], dtype=np.int64)).to(dev)
+        yield window[:-1], window[1:]
+
+
+def _run(model, windows, state, runtime) -> tuple[float, tuple]:
+    """Sum of NLL over windows, carrying state (one device sync at the end)."""
+    nats = torch.zeros((), dtype=torch.float64, device=runtime.device)
+    for inputs, targets in windows:
+        with runtime.autocast():
+            logits, state = model(inputs, state)
+        nats += token_nll(logits, targets).double()
+    return float(nats), state
+
+
+@torch.no_grad()
+def score_predictions(
+    model: ZoneoutLM,
+    tokens: np.ndarray,
+    runtime: Runtime,
+    protocol: EvalProtocol = EvalProtocol(),
+    rank: int = 0,
+    world: int = 1,
+) -> tuple[float, int]:
+    """Summed NLL in nats over this rank's share of the N-1 predictions, and their count.
+
+    tokens: (N,) any integer dtype; a memory map is read window by window.
+    """
+    was_training = model.training
+    model.eval()
+    n = len(tokens) - 1
+    if n < 1:
+        return 0.0, 0
+    S = protocol.streams_for(n)
+    L = n // S
+    mine = np.array_split(np.arange(S), world)[rank]  # this rank's stream indices
+    dev = runtime.device
+    nats, count, state = 0.0, 0, None
+    if len(mine):
+        nats, state = _run(model, _windows(tokens, mine * L, L, protocol.bptt, dev), None, runtime)
+        count = L * len(mine)
+    tail = n - S * L
+    if tail and len(mine) and mine[-1] == S - 1:  # continue the last stream to the end
+        last = (state[0][:, -1:].contiguous(), state[1][:, -1:].contiguous())
+        rest = _windows(tokens, np.array([S * L]), tail, protocol.bptt, dev)
+        more, _ = _run(model, rest, last, runtime)
+        nats += more
+        count += tail
+    model.train(was_training)
+    return nats, count
+
+
+def score_split(model, tokens, tokenizer, characters: int, n_bytes: int, runtime: Runtime,
+                protocol: EvalProtocol = EvalProtocol(), reduce=None, rank=0, world=1) -> Score:
+    """Score a whole split. characters/n_bytes: of the split's original text.
+
+    The first token is context only, so the characters (and bytes) it covers are not
+    predicted and not counted. `reduce(list_of_floats) -> list` sums across ranks.
+    """
+    nats, count = score_predictions(model, tokens, runtime, protocol, rank, world)
+    if reduce is not None:
+        nats, count = reduce([nats, float(count)])
+    first = tokenizer.decode([int(tokens[0])]) if len(tokens) else ""
+    return Score(
+        nats=float(nats),
+        tokens=int(count),
+        characters=max(characters - len(first), 0),
+        bytes=max(n_bytes - len(first.encode("utf-8", "replace")), 0),
+    )

@@ -1,0 +1,6 @@
+"""Data: text in, token arrays out.
+
+Owns reading text (textio), tokenizers, the corpus catalog, `zlm prepare` (prepare, passes),
+opening a prepared DATA_DIR (dataset) and cutting it into training streams (streams).
+May import: zlm.errors, zlm.version. Nothing here imports torch.
+"""

@@ -1,0 +1,5 @@
+"""Inference: a checkpoint loaded into a ready model (load), `zlm eval` (evaluate), `zlm sample`
+(sample), and the Python API `zlm.load` (api).
+
+May import: zlm.core, zlm.model, zlm.data, zlm.errors, zlm.version. Never zlm.training.
+"""

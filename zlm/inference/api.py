@@ -1,0 +1,58 @@
+"""The Python API: `zlm.load(path)` -> a `LanguageModel` with evaluate and sample methods.
+
+    lm = zlm.load("runs/shakespeare")          # RUN_DIR (best/, else latest) or checkpoint
+    lm.evaluate_text("To be, or not to be")    # -> zlm.core.metrics.Score (bpc, perplexity, ...)
+    lm.evaluate_split("test")                  # the split of the DATA_DIR it was trained on
+    lm.sample(prime="ROMEO:", length=200, temperature=0.8, seed=1)   # -> str
+
+The commands call the same library functions (`zlm.inference.evaluate`, `.sample`).
+"""
+
+from __future__ import annotations
+
+from zlm.core.metrics import Score
+from zlm.core.scoring import EvalProtocol
+from zlm.inference.evaluate import score_data_split, score_text
+from zlm.inference.load import LoadedModel, load_model
+from zlm.inference.sample import Sample, SampleConfig, generate, sample_text
+
+
+class LanguageModel(LoadedModel):
+    """A loaded checkpoint (`LoadedModel`) with the methods users call."""
+
+    def evaluate_text(self, text: str, *, streams: int = 1, bptt: int = 256,
+                      unknown: str = "error") -> Score:
+        """BPC of `text` (every character predicted; a newline is the context).
+
+        One stream by default: a short text is best scored from one cold start.
+        """
+        return score_text(self, text, EvalProtocol(streams, bptt), unknown)
+
+    def evaluate_split(self, split: str = "valid", *, streams: int = 16,
+                       bptt: int = 256) -> Score:
+        """BPC of a split of the training DATA_DIR (the protocol `zlm train` validates with)."""
+        return score_data_split(self, split, EvalProtocol(streams, bptt))
+
+    def sample(self, prime: str = "", length: int = 200, *, temperature: float = 1.0,
+               top_k: int | None = None, top_p: float | None = None,
+               seed: int | None = None) -> str:
+        """prime + `length` generated tokens (characters for a char model), as text."""
+        return sample_text(self, SampleConfig(length=length, prime=prime, temperature=temperature,
+                                              top_k=top_k, top_p=top_p, seed=seed))
+
+    def samples(self, prime: str = "", length: int = 200, num_samples: int = 1, **options):
+        """`num_samples` continuations generated as one batch -> list of `Sample`."""
+        return generate(self, SampleConfig(length=length, prime=prime, num_samples=num_samples,
+                                           **options))
+
+
+def load(path, device: str = "auto", precision: str = "fp32", cell: str = "auto") -> LanguageModel:
+    """Load a RUN_DIR (its best/, else latest complete checkpoint) or a checkpoint directory.
+
+    precision: fp32 by default, so evaluation is exact; "auto"/"bf16"/"fp16" autocast the
+    evaluation forward pass. cell: auto | fused | reference (all give the same numbers).
+    """
+    return load_model(path, device, precision, cell, cls=LanguageModel)
+
+
+__all__ = ["LanguageModel", "Sample", "load"]

@@ -1,0 +1,165 @@
+"""`zlm eval`: bits per character of a text file or of a split of the training data.
+
+Owns `EvalConfig` -> `evaluate` -> `EvalResult`, and scoring a loaded model on a text
+(`score_text`) or a split of the DATA_DIR it was trained on (`score_data_split`). The
+protocol and the scoring loop are `zlm.core.scoring`'s, shared with training's validation.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from zlm.core.metrics import Score
+from zlm.core.scoring import EvalProtocol, score_predictions, score_split
+from zlm.data.dataset import Dataset
+from zlm.data.tokenizers import context_ids
+from zlm.errors import DataError, UsageError
+from zlm.inference.load import load_model
+
+
+def score_text(lm, text: str, protocol: EvalProtocol = EvalProtocol(1),
+               unknown: str = "error") -> Score:
+    """Score every character of `text`, preceded by one newline token as context.
+
+    lm: a `zlm.inference.load.LoadedModel`. Characters outside a char vocabulary raise
+    DataError naming the first one and its position, or map to U+FFFD with
+    unknown="replace" (byte and sentencepiece tokenizers never fail).
+    """
+    ids = lm.tokenizer.encode(text, unknown=unknown)  # (N,) int64
+    ctx = context_ids(lm.tokenizer)
+    if ctx is None:  # no newline in the vocabulary: the first token is the context
+        return score_split(lm.model, ids, lm.tokenizer, len(text), len(text.encode("utf-8")),
+                           lm.runtime, protocol)
+    tokens = np.concatenate([ctx[-1:], ids])  # (N+1,)
+    nats, count = score_predictions(lm.model, tokens, lm.runtime, protocol)
+    return Score(nats=float(nats), tokens=int(count), characters=len(text),
+                 bytes=len(text.encode("utf-8")))
+
+
+def open_training_data(lm):
+    """The DATA_DIR a checkpoint was trained on, checked to use the checkpoint's tokenizer."""
+    path = lm.data_path
+    if path is None or not (path / "dataset.json").is_file():
+        raise DataError(
+            f"the training data {path or '(not recorded)'} named in {lm.path}/config.json is "
+            "gone; evaluate a text file instead with --file TEXT")
+    data = Dataset.open(path)
+    name = data.meta["tokenizer"].get("file", "tokenizer.json")
+    ours = lm.path / name
+    if not ours.is_file() or ours.read_bytes() != (data.path / name).read_bytes():
+        raise DataError(
+            f"{path} was re-prepared with a different tokenizer than {lm.path} was trained "
+            "with; evaluate a text file instead with --file TEXT")
+    return data
+
+
+def score_data_split(lm, split: str, protocol: EvalProtocol = EvalProtocol()) -> Score:
+    """Score a split of the training DATA_DIR (its first token is context only)."""
+    data = open_training_data(lm)
+    info = data.split_info(split)
+    return score_split(lm.model, data.tokens(split), data.tokenizer, info.characters,
+                       info.bytes, lm.runtime, protocol)
+
+
+# ------------------------------------------------------------------------- zlm eval
+
+SPLIT_NAMES = ("train", "valid", "test")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """What `zlm eval` scores, and how."""
+
+    split: str | None = "valid"  # a split of the training DATA_DIR, or None with `file`
+    file: Path | None = None  # a UTF-8 text file scored instead of a split
+    streams: int = 16  # parallel streams (--batch-size)
+    bptt: int = 256  # window length (--bptt)
+    unknown: str = "error"  # error | replace: characters of `file` outside a char vocabulary
+    device: str = "auto"
+    precision: str = "fp32"  # exact by default; auto/bf16/fp16 autocast the forward pass
+    cell: str = "auto"  # auto | fused | reference
+
+    def __post_init__(self):
+        if (self.split is None) == (self.file is None):
+            raise UsageError("pass one of --split or --file, not both")
+        if self.split is not None and self.split not in SPLIT_NAMES:
+            raise UsageError(f"--split {self.split} is not a split; use valid, test or train")
+        if self.unknown not in ("error", "replace"):
+            raise UsageError(f"--unknown {self.unknown} is not a policy; use error or replace")
+        EvalProtocol(self.streams, self.bptt)  # checks --batch-size and --bptt
+
+    @property
+    def protocol(self) -> EvalProtocol:
+        return EvalProtocol(self.streams, self.bptt)
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """A score with everything needed to reproduce and read it."""
+
+    score: Score
+    protocol: str  # EvalProtocol.describe(...)
+    source: str  # "valid split of DATA_DIR" or the file's path
+    checkpoint: str
+    tokenizer: str  # tokenizer kind
+    seconds: float
+    split: str | None = None
+    file: str | None = None
+
+    @property
+    def chars_per_s(self) -> float:
+        return self.score.characters / max(self.seconds, 1e-9)
+
+    def to_dict(self) -> dict:
+        s = self.score
+        return {
+            "bpc": s.bpc, "bits_per_byte": s.bits_per_byte, "perplexity": s.perplexity,
+            "char_perplexity": s.char_perplexity, "nats": s.nats, "tokens": s.tokens,
+            "characters": s.characters, "bytes": s.bytes, "chars_per_s": self.chars_per_s,
+            "seconds": self.seconds, "protocol": self.protocol, "source": self.source,
+            "checkpoint": self.checkpoint, "tokenizer": self.tokenizer, "split": self.split,
+            "file": self.file,
+        }
+
+
+def read_text_file(path: Path) -> str:
+    """A UTF-8 text file, or a one-line error."""
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"--file {path} does not exist; pass a UTF-8 text file")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"--file {path} is not UTF-8 text (byte {e.start}); convert it to "
+                        "UTF-8") from None
+
+
+def evaluate_loaded(lm, config: EvalConfig) -> EvalResult:
+    """Score `config`'s split or file with a loaded `LanguageModel`."""
+    protocol = config.protocol
+    t0 = time.perf_counter()
+    if config.file is not None:
+        text = read_text_file(config.file)
+        score = score_text(lm, text, protocol, config.unknown)
+        source, context = str(config.file), "the text is preceded by one newline as context"
+    else:
+        score = score_data_split(lm, config.split, protocol)
+        source = f"{config.split} split of {lm.data_path}"
+        context = "the split's first token is context"
+    seconds = time.perf_counter() - t0
+    return EvalResult(score, protocol.describe(score.tokens, context), source, str(lm.path),
+                      lm.tokenizer.kind, seconds, config.split,
+                      None if config.file is None else str(config.file))
+
+
+def evaluate(path, config: EvalConfig = EvalConfig()) -> EvalResult:
+    """`zlm eval`: load a RUN_DIR or checkpoint and score a split or a text file."""
+
+    if config.file is not None and not Path(config.file).is_file():  # before loading the model
+        raise UsageError(f"--file {config.file} does not exist; pass a UTF-8 text file")
+    lm = load_model(path, config.device, config.precision, config.cell)
+    return evaluate_loaded(lm, config)

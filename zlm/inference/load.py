@@ -1,0 +1,130 @@
+"""Loading a checkpoint into a ready model, tokenizer and runtime (`load_model`).
+
+What `zlm eval`, `zlm sample` and the Python API (`zlm.inference.api`) share:
+
+    lm = zlm.load("runs/shakespeare")          # RUN_DIR (best/, else latest) or checkpoint
+    lm.evaluate_text("To be, or not to be")    # -> zlm.metrics.Score (bpc, perplexity, ...)
+    lm.evaluate_split("test")                  # the split of the DATA_DIR it was trained on
+    lm.sample(prime="ROMEO:", length=200, temperature=0.8, seed=1)   # -> str
+
+Loading verifies the manifest (sizes and SHA-256), builds the model from config.json
+and loads the tensors strictly, so a checkpoint whose config and tensors disagree is a
+one-line `CheckpointError` even when its manifest was rewritten to match. The model is
+left in eval mode: zoneout uses its expectation, dropout is off.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from zlm.core import checkpoint as ckpt
+from zlm.core.checkpoint import check_weights, load_weights
+from zlm.core.precision import Runtime, resolve_runtime
+from zlm.data.tokenizers import Tokenizer, load_tokenizer
+from zlm.errors import CheckpointError, ZlmError
+from zlm.model.cells import CellChoice, choose_cell
+from zlm.model.lm import ModelConfig, ZoneoutLM
+
+
+@dataclass
+class LoadedModel:
+    """A loaded checkpoint: model (eval mode, on runtime.device), tokenizer, and provenance.
+
+    What evaluation, sampling and scoring take; `zlm.inference.api.LanguageModel` adds the
+    user-facing methods."""
+
+    model: ZoneoutLM
+    tokenizer: Tokenizer
+    runtime: Runtime
+    path: Path  # the checkpoint directory actually loaded (e.g. RUN_DIR/best)
+    config: dict  # config.json: {"model", "train", "data", ...}
+    cell: CellChoice
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.model.config
+
+    @property
+    def data_path(self) -> Path | None:
+        """The DATA_DIR the model was trained on, as recorded in config.json."""
+        p = self.config.get("data", {}).get("path")
+        return Path(p) if p else None
+
+    def __repr__(self) -> str:
+        c = self.model_config
+        return (f"{type(self).__name__}({str(self.path)!r}, {self.tokenizer.kind} vocab {c.vocab_size}, "
+                f"{c.layers}x{c.hidden}, {self.runtime.describe()}, cell {self.cell.name})")
+
+
+def read_json(path: Path, what: str) -> dict:
+    """A JSON object from a checkpoint file, or a one-line CheckpointError."""
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is unreadable ({e.__class__.__name__}); the {what} is "
+                              "damaged: use another checkpoint") from None
+    if not isinstance(doc, dict):
+        raise CheckpointError(f"{path} is not a JSON object; the {what} is damaged: use "
+                              "another checkpoint")
+    return doc
+
+
+def model_config_of(config: dict, path: Path) -> ModelConfig:
+    """config.json's "model" object -> ModelConfig, or a CheckpointError naming the problem."""
+    try:
+        return ModelConfig(**config["model"])
+    except (KeyError, TypeError) as e:
+        raise CheckpointError(f"{path}/config.json has no usable model config ({e}); "
+                              "the checkpoint is damaged: use another one") from None
+    except ZlmError as e:
+        raise CheckpointError(f"{path}/config.json has an invalid model config ({e}); "
+                              "the checkpoint is damaged: use another one") from None
+
+
+def load_model(path, device: str = "auto", precision: str = "fp32", cell: str = "auto",
+               cls: type[LoadedModel] | None = None) -> LoadedModel:
+    """Load a RUN_DIR (its best/, else latest complete checkpoint) or a checkpoint directory.
+
+    precision: fp32 by default, so evaluation is exact; "auto"/"bf16"/"fp16" autocast the
+    evaluation forward pass. cell: auto | fused | reference (all give the same numbers).
+    cls: the class to return (a subclass of LoadedModel).
+    """
+    runtime = resolve_runtime(device, precision)
+    loaded = ckpt.load(path)  # resolves, verifies the manifest deeply, reads the tensors
+    config = loaded.config
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{loaded.path}/config.json is not a JSON object; use another checkpoint")
+    model_cfg = model_config_of(config, loaded.path)
+    meta = read_json(loaded.path / "dataset.json", "dataset description")
+    tok_meta = meta.get("tokenizer") or config.get("data", {}).get("tokenizer")
+    if not isinstance(tok_meta, dict):
+        raise CheckpointError(f"{loaded.path}/dataset.json names no tokenizer; use another checkpoint")
+    try:
+        tokenizer = load_tokenizer(loaded.path, tok_meta)
+    except ZlmError as e:
+        raise CheckpointError(f"{loaded.path}: its tokenizer does not load ({e})") from None
+    if tokenizer.vocab_size != model_cfg.vocab_size:
+        raise CheckpointError(
+            f"{loaded.path}: the tokenizer has {tokenizer.vocab_size} entries but the model "
+            f"{model_cfg.vocab_size}; the checkpoint is inconsistent: use another one")
+    choice = choose_cell(cell, runtime.device)
+    if model_cfg.layers > len(loaded.model):  # each layer has tensors: a damaged config.json
+        raise CheckpointError(f"{loaded.path}/config.json says {model_cfg.layers} layers but the "
+                              "weights hold fewer; the checkpoint is damaged: use another one")
+    try:
+        with torch.device("meta"):  # shapes only: a damaged config.json must not allocate
+            own = ZoneoutLM(model_cfg, choice.fn).state_dict()
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{loaded.path}/config.json describes an impossible model "
+                              f"({str(e).splitlines()[0]}); use another checkpoint") from None
+    check_weights(own, loaded.model, loaded.path)
+    model = ZoneoutLM(model_cfg, choice.fn)
+    load_weights(model, loaded.model, loaded.path)
+    model.to(runtime.device).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return (cls or LoadedModel)(model, tokenizer, runtime, loaded.path, config, choice)

@@ -1,0 +1,132 @@
+"""The zoneout LSTM language model: embedding -> L zoneout LSTM layers -> decoder.
+
+The model is pure: it knows nothing of DDP, autocast or compilation, which are applied
+from outside (`zlm.distributed`, `zlm.precision`). The cell implementation is swappable
+(`zlm.model.cells.choose_cell`) and every implementation uses the same parameters, so a
+checkpoint loads under any of them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from zlm.errors import UsageError
+from zlm.model.cells import CellFn
+from zlm.model.cells.masks import draw_keep
+from zlm.model.cells.reference import zoneout_lstm_reference
+
+State = tuple[Tensor, Tensor]  # h, c: each (L, B, H)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and regularisation of the model (stored in config.json)."""
+
+    vocab_size: int
+    hidden: int = 512  # units per LSTM layer
+    layers: int = 1  # stacked zoneout LSTM layers
+    embed: int = 128  # embedding width fed to the first layer
+    zoneout_cell: float = 0.5  # z_c: probability a cell unit keeps its previous value
+    zoneout_hidden: float = 0.05  # z_h: probability a hidden unit keeps its previous value
+    dropout: float = 0.0  # non-recurrent dropout: embedding, between layers, before decoder
+
+    def __post_init__(self):
+        if self.vocab_size < 1:
+            raise UsageError(f"vocab_size must be >= 1, got {self.vocab_size}")
+        for name in ("hidden", "layers", "embed"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("zoneout_cell", "zoneout_hidden", "dropout"):
+            v = getattr(self, name)
+            if not 0.0 <= v < 1.0:
+                flag = "--" + name.replace("_", "-")
+                raise UsageError(f"{flag} must be in [0, 1), got {v}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class ZoneoutLSTMLayer(nn.Module):
+    """One zoneout LSTM layer; parameters laid out as torch.nn.LSTM's (gates i, f, g, o)."""
+
+    def __init__(self, input_size: int, hidden: int, zoneout_cell: float, zoneout_hidden: float):
+        super().__init__()
+        self.hidden = hidden
+        self.zoneout_cell = zoneout_cell
+        self.zoneout_hidden = zoneout_hidden
+        self.weight_ih = nn.Parameter(torch.empty(4 * hidden, input_size))
+        self.weight_hh = nn.Parameter(torch.empty(4 * hidden, hidden))
+        self.bias = nn.Parameter(torch.empty(4 * hidden))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Uniform input weights, orthogonal recurrent blocks, forget-gate bias +1."""
+        H = self.hidden
+        bound = 1.0 / math.sqrt(H)
+        nn.init.uniform_(self.weight_ih, -bound, bound)
+        with torch.no_grad():
+            for k in range(4):  # one orthogonal (H, H) block per gate
+                nn.init.orthogonal_(self.weight_hh[k * H : (k + 1) * H])
+            self.bias.zero_()
+            self.bias[H : 2 * H] = 1.0
+
+    def forward(self, x: Tensor, h0: Tensor, c0: Tensor, cell: CellFn) -> tuple[Tensor, Tensor, Tensor]:
+        """x: (T, B, I) -> y: (T, B, H), h_T, c_T: (B, H). Masks are drawn here, once."""
+        T, B, _ = x.shape
+        shape = (T, B, self.hidden)
+        kw = dict(dtype=x.dtype, device=x.device)
+        keep_c = draw_keep(self.zoneout_cell, shape, self.training, **kw)
+        keep_h = draw_keep(self.zoneout_hidden, shape, self.training, **kw)
+        return cell(x, h0, c0, self.weight_ih, self.weight_hh, self.bias, keep_c, keep_h)
+
+
+class ZoneoutLM(nn.Module):
+    """Character language model. tokens (T, B) -> logits (T, B, V)."""
+
+    def __init__(self, config: ModelConfig, cell: CellFn = zoneout_lstm_reference):
+        super().__init__()
+        self.config = config
+        self.cell = cell
+        c = config
+        self.embedding = nn.Embedding(c.vocab_size, c.embed)
+        self.layers = nn.ModuleList(
+            ZoneoutLSTMLayer(c.embed if k == 0 else c.hidden, c.hidden, c.zoneout_cell, c.zoneout_hidden)
+            for k in range(c.layers)
+        )
+        self.drop = nn.Dropout(c.dropout)
+        self.decoder = nn.Linear(c.hidden, c.vocab_size)
+        nn.init.uniform_(self.embedding.weight, -0.1, 0.1)
+
+    def initial_state(self, batch: int, device=None, dtype=torch.float32) -> State:
+        """Zero state: h, c each (L, B, H)."""
+        shape = (self.config.layers, batch, self.config.hidden)
+        z = torch.zeros(shape, device=device, dtype=dtype)
+        return z, z.clone()
+
+    def forward(self, tokens: Tensor, state: State | None = None) -> tuple[Tensor, State]:
+        """tokens: (T, B) int64 -> logits (T, B, V), final state (h, c) each (L, B, H)."""
+        T, B = tokens.shape
+        if state is None:
+            state = self.initial_state(B, tokens.device, self.embedding.weight.dtype)
+        x = self.drop(self.embedding(tokens))  # (T, B, E)
+        hs, cs = [], []
+        for k, layer in enumerate(self.layers):
+            x, h, c = layer(x, state[0][k], state[1][k], self.cell)  # (T, B, H)
+            x = self.drop(x)
+            hs.append(h)
+            cs.append(c)
+        logits = self.decoder(x)  # (T, B, V)
+        return logits, (torch.stack(hs), torch.stack(cs))
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def token_nll(logits: Tensor, targets: Tensor) -> Tensor:
+    """Summed negative log-likelihood in nats, computed in fp32. logits (T, B, V), targets (T, B)."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")

@@ -1,0 +1,285 @@
+"""Throughput of the zoneout cells against torch.nn.LSTM, measured in one process.
+
+Three implementations of the same character language model (embedding -> one LSTM layer
+-> linear decoder -> cross-entropy) run at the same sizes:
+
+- `nn.LSTM`: torch.nn.LSTM (oneDNN on the CPU, cuDNN on CUDA), no zoneout - the bar;
+- `reference`: `zlm.model.ZoneoutLM` with the reference cell, zoneout z_c 0.5, z_h 0.05;
+- `fused`: the same model with the cell `choose_cell("fused", device)` picks;
+- `fused+graphs` (CUDA only): the fused model with each window's forward (and backward)
+  replayed from a CUDA graph (`zlm.graphs.CapturedStep`), as `zlm train` runs it.
+
+Phases: `train` (forward, backward; no optimizer step), `infer` (no_grad forward), both
+over (T, B) windows with the state carried, and `sample` (batch 1, one character at a
+time: embedding -> one cell step -> decoder -> softmax -> torch.multinomial, as a sampler
+does). Each (implementation, phase) is warmed up, then timed in rounds whose order
+rotates, so machine noise hits all alike; the median per round is reported, with the
+time per character relative to nn.LSTM measured in the same run. This module measures;
+`zlm.cli.bench` renders.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zlm.errors import UsageError
+from zlm.model.cells import choose_cell
+from zlm.model.cells.reference import zoneout_lstm_reference
+from zlm.model.lm import ModelConfig, ZoneoutLM
+from zlm.training.graphs import CapturedStep
+
+IMPLS = ("nn.LSTM", "reference", "fused")
+GRAPHED = "fused+graphs"  # CUDA only
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+GRID_BATCH = (32, 128)
+GRID_HIDDEN = (256, 512, 1000)
+SAMPLE_HIDDEN = 512
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One benchmark size. Throughput is characters (tokens) per second."""
+
+    hidden: int = 512  # LSTM units
+    batch_size: int = 32  # parallel streams per window (1 for the sample phase)
+    bptt: int = 100  # timesteps per window
+    vocab: int = 128  # characters in the vocabulary
+    embed: int = 128  # embedding width fed to the LSTM
+    device: str = "cpu"  # cpu or cuda
+    repeats: int = 5  # timed rounds; the median is reported
+    warmup: int = 2  # untimed calls per implementation and phase first
+    sample_chars: int = 300  # characters generated per timed sample round
+    precision: str = "fp32"  # fp32 | bf16 | fp16: autocast around every forward (CUDA only)
+
+    def __post_init__(self):
+        if self.precision not in PRECISIONS:
+            raise UsageError(f"unknown precision {self.precision!r}; pass --precision fp32, bf16 or fp16")
+        if self.precision != "fp32" and self.device != "cuda":
+            raise UsageError(f"--precision {self.precision} is for --device cuda; pass --precision fp32")
+        for name in ("hidden", "batch_size", "bptt", "vocab", "embed", "repeats", "sample_chars"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.warmup < 0:
+            raise UsageError(f"--warmup must be >= 0, got {self.warmup}")
+
+
+def resolve_device(name: str) -> torch.device:
+    """cpu or cuda, with a one-line error when CUDA is asked for and absent."""
+    if name == "cpu":
+        return torch.device("cpu")
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            built = "built without CUDA" if torch.version.cuda is None else "sees no GPU"
+            raise UsageError(f"--device cuda: this torch {torch.__version__} {built}; pass --device cpu")
+        return torch.device("cuda")
+    raise UsageError(f"unknown device {name!r}; pass --device cpu or --device cuda")
+
+
+class TorchLSTMLM(nn.Module):
+    """The bar: embedding -> torch.nn.LSTM -> decoder, with ZoneoutLM's interface."""
+
+    def __init__(self, vocab: int, embed: int, hidden: int):
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, embed)
+        self.lstm = nn.LSTM(embed, hidden)
+        self.decoder = nn.Linear(hidden, vocab)
+
+    def forward(self, tokens, state=None):
+        """tokens (T, B) -> logits (T, B, V), state (h, c) each (1, B, H)."""
+        y, state = self.lstm(self.embedding(tokens), state)  # (T, B, H)
+        return self.decoder(y), state
+
+
+def _fused_cell(device: torch.device):
+    choice = choose_cell("auto", device)
+    if choice.name != "fused":
+        raise UsageError(f"zlm bench: no fused cell on {device.type} ({choice.reason}); pass --device cpu")
+    return choice.fn
+
+
+def _build(impl: str, cfg: BenchConfig, device: torch.device) -> nn.Module:
+    torch.manual_seed(0)
+    if impl == "nn.LSTM":
+        return TorchLSTMLM(cfg.vocab, cfg.embed, cfg.hidden).to(device)
+    cell = zoneout_lstm_reference if impl == "reference" else _fused_cell(device)  # fused, graphed
+    mc = ModelConfig(cfg.vocab, hidden=cfg.hidden, embed=cfg.embed, zoneout_cell=0.5, zoneout_hidden=0.05)
+    return ZoneoutLM(mc, cell=cell).to(device)
+
+
+class _Runner:
+    """One model and its carried state; each call is one timed unit of work."""
+
+    def __init__(self, impl: str, cfg: BenchConfig, device: torch.device):
+        self.model, self.cfg, self.device = _build(impl, cfg, device), cfg, device
+        g = torch.Generator().manual_seed(1)
+        shape = (cfg.bptt + 1, cfg.batch_size)
+        self.tokens = torch.randint(cfg.vocab, shape, generator=g).to(device)  # (T+1, B)
+        self.state = None
+        self.tok = torch.zeros(1, 1, dtype=torch.long, device=device)
+        self.graphed = impl == GRAPHED
+        self.graphs: dict[str, CapturedStep] = {}
+
+    def autocast(self):
+        dtype = PRECISIONS[self.cfg.precision]
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=dtype, cache_enabled=False)
+
+    def _graph_state(self) -> tuple:
+        if self.state is None:
+            self.state = self.model.initial_state(self.cfg.batch_size, self.device)
+        return self.state
+
+    def _train_fn(self, tokens, h0, c0):
+        with self.autocast():
+            logits, (h, c) = self.model(tokens[:-1], (h0, c0))
+        F.cross_entropy(logits.float().flatten(0, 1), tokens[1:].flatten()).backward()
+        return h.detach().float(), c.detach().float()
+
+    def _infer_fn(self, tokens, h0, c0):
+        with torch.no_grad(), self.autocast():
+            _, (h, c) = self.model(tokens[:-1], (h0, c0))
+        return h.float(), c.float()
+
+    def _replay(self, phase: str) -> int:
+        """The graphed implementation: capture the phase once, replay it after."""
+        self.model.train(phase == "train")
+        fn = self._train_fn if phase == "train" else self._infer_fn
+        if phase not in self.graphs:
+            params = list(self.model.parameters()) if phase == "train" else []
+            self.graphs[phase] = CapturedStep(fn, (self.tokens, *self._graph_state()), params)
+        h, c = self.graphs[phase](self.tokens, *self._graph_state())
+        self.state = (h.clone(), c.clone())
+        return self.cfg.bptt * self.cfg.batch_size
+
+    def train(self) -> int:
+        if self.graphed:
+            return self._replay("train")
+        self.model.train()
+        with self.autocast():
+            logits, state = self.model(self.tokens[:-1], self.state)  # (T, B, V)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), self.tokens[1:].flatten())
+        loss.backward()
+        self.state = tuple(s.detach() for s in state)
+        for p in self.model.parameters():
+            p.grad = None
+        return self.cfg.bptt * self.cfg.batch_size
+
+    def infer(self) -> int:
+        if self.graphed:
+            return self._replay("infer")
+        self.model.eval()
+        with torch.no_grad(), self.autocast():
+            _, self.state = self.model(self.tokens[:-1], self.state)
+        return self.cfg.bptt * self.cfg.batch_size
+
+    def sample(self) -> int:
+        """Batch 1, one character per call: embedding -> one step -> decoder -> draw."""
+        m, n = self.model.eval(), self.cfg.sample_chars
+        tok = self.tok  # (1, 1)
+        with torch.no_grad():
+            if isinstance(m, TorchLSTMLM):
+                state = None
+                for _ in range(n):
+                    y, state = m.lstm(m.embedding(tok), state)  # (1, 1, H)
+                    tok = torch.multinomial(torch.softmax(m.decoder(y[0]), dim=-1), 1)  # (1, 1)
+                return n
+            layer = m.layers[0]
+            w = (layer.weight_ih, layer.weight_hh, layer.bias, layer.zoneout_cell, layer.zoneout_hidden)
+            h = c = torch.zeros(1, self.cfg.hidden, device=self.device)  # (1, H)
+            for _ in range(n):
+                _, h, c = m.cell(m.embedding(tok), h, c, *w)
+                tok = torch.multinomial(torch.softmax(m.decoder(h), dim=-1), 1)  # (1, 1)
+        return n
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(cfg: BenchConfig, phases: tuple[str, ...] = ("train", "infer")) -> list[dict]:
+    """Characters/s of every implementation in every phase at one size.
+
+    Returns one row per (phase, implementation): the size, `chars_per_s` (median over
+    rounds) and `ratio_to_lstm`, the time per character relative to nn.LSTM in this run
+    (lower is faster; nn.LSTM is 1.0).
+    """
+    device = resolve_device(cfg.device)
+    impls = IMPLS + ((GRAPHED,) if device.type == "cuda" and phases != ("sample",) else ())
+    runners = {impl: _Runner(impl, cfg, device) for impl in impls}
+    jobs = [(impl, phase) for phase in phases for impl in impls]
+    for impl, phase in jobs:
+        for _ in range(cfg.warmup):
+            getattr(runners[impl], phase)()
+    seconds: dict[tuple[str, str], list[float]] = {job: [] for job in jobs}
+    for r in range(cfg.repeats):
+        k = r % len(jobs)
+        for impl, phase in jobs[k:] + jobs[:k]:  # rotate who goes first
+            _sync(device)
+            t0 = time.perf_counter()
+            chars = getattr(runners[impl], phase)()
+            _sync(device)
+            seconds[(impl, phase)].append((time.perf_counter() - t0) / chars)
+    rows = []
+    size = dict(hidden=cfg.hidden, batch_size=cfg.batch_size, bptt=cfg.bptt, vocab=cfg.vocab,
+                precision=cfg.precision)
+    if phases == ("sample",):
+        size.update(batch_size=1, bptt=1)
+    for phase in phases:
+        bar = statistics.median(seconds[("nn.LSTM", phase)])
+        for impl in impls:
+            s = statistics.median(seconds[(impl, phase)])
+            rows.append(dict(size, phase=phase, impl=impl, chars_per_s=1.0 / s, ratio_to_lstm=s / bar))
+    return rows
+
+
+def grid_configs(base: BenchConfig) -> list[BenchConfig]:
+    """The standard grid: B in {32, 128} x H in {256, 512, 1000}, T = 100."""
+    kw = {k: v for k, v in asdict(base).items() if k not in ("hidden", "batch_size", "bptt")}
+    return [BenchConfig(hidden=h, batch_size=b, bptt=100, **kw) for b in GRID_BATCH for h in GRID_HIDDEN]
+
+
+def run_bench(cfg: BenchConfig, grid: bool = False, sample: bool = False,
+              precisions: tuple[str, ...] = ()) -> dict:
+    """The whole benchmark as one JSON-ready dict (see `measure` for the rows).
+
+    grid: run `grid_configs(cfg)` and batch-1 sampling at H=512 instead of cfg's size;
+    sample: also measure batch-1 sampling at cfg.hidden; precisions: run every size in
+    each of these (default: cfg.precision).
+    """
+    device = resolve_device(cfg.device)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    rows: list[dict] = []
+    for prec in precisions or (cfg.precision,):
+        for c in grid_configs(cfg) if grid else [cfg]:
+            rows += measure(replace(c, precision=prec))
+    if grid or sample:
+        h = SAMPLE_HIDDEN if grid else cfg.hidden
+        rows += measure(BenchConfig(**{**asdict(cfg), "hidden": h}), phases=("sample",))
+    return {
+        "device": str(device),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "fused_cell": choose_cell("auto", device).reason,
+        "ratio_to_lstm": "time per character relative to torch.nn.LSTM in this run (lower is faster)",
+        "load_average": load,
+        "load_warning": _load_warning(load),
+        "rows": rows,
+    }
+
+
+def _load_warning(load: float) -> str | None:
+    """A note when other processes were busy: multi-threaded small ops suffer most."""
+    cores = os.cpu_count() or 1
+    if load < 0.5 * cores:
+        return None
+    return f"the machine was busy (load average {load:.1f} on {cores} cores): ratios are noisy; rerun when idle"

@@ -1,0 +1,116 @@
+"""What a run or checkpoint holds, read from JSON and safetensors headers only.
+
+Owns `describe(path)`, the library function behind `zlm info`: model config, parameter
+count (from the tensor shapes in the header of model.safetensors), tokenizer and
+vocabulary, training step, best valid BPC, and the files with their sizes. It never
+reads tensor data, so it is instant on a multi-gigabyte checkpoint and works while a
+checkpoint is being copied. The manifest is checked shallowly (format version, files
+present with the recorded sizes); checksums are left to `zlm eval` / `zlm sample`,
+which load the tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from zlm.core import checkpoint as ckpt
+from zlm.errors import CheckpointError
+from zlm.inference.load import model_config_of, read_json
+from zlm.model.lm import ZoneoutLM
+
+
+def find_checkpoint(path: Path) -> Path:
+    """A checkpoint directory for `path`: itself, RUN_DIR/best, or the newest step directory
+    whose manifest and file sizes check out (no checksums: nothing is read in full)."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist; pass a RUN_DIR or a checkpoint directory")
+    if path.is_file():
+        path = path.parent
+    if (path / ckpt.MANIFEST).exists():
+        return path
+    if (path / "best" / ckpt.MANIFEST).exists():
+        return path / "best"
+    for step in reversed(ckpt.step_dirs(path)):
+        try:
+            ckpt.verify(step, deep=False)
+            return step
+        except CheckpointError:
+            continue
+    raise CheckpointError(f"{path} holds no complete checkpoint; pass a RUN_DIR or a checkpoint directory")
+
+
+def _expected_shapes(config) -> dict[str, tuple[int, ...]]:
+    """The tensor shapes a model of this config has (built on the meta device: no memory)."""
+    with torch.device("meta"):
+        model = ZoneoutLM(config)
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def _mismatches(expected: dict, found: dict) -> list[str]:
+    out = [f"{k} missing" for k in sorted(set(expected) - set(found))]
+    out += [f"{k} unexpected" for k in sorted(set(found) - set(expected))]
+    out += [f"{k} is {found[k]} but the config implies {expected[k]}"
+            for k in sorted(set(expected) & set(found)) if tuple(found[k]) != expected[k]]
+    return out
+
+
+def describe(path) -> dict:
+    """Everything `zlm info` shows, as a JSON-able dict. Reads no tensor data."""
+    path = Path(path)
+    where = find_checkpoint(path)
+    manifest = ckpt.verify(where, deep=False)
+    config = read_json(where / "config.json", "model config")
+    model_cfg = model_config_of(config, where)
+    header = ckpt.read_header(where / "model.safetensors")
+    shapes = {k: tuple(v.get("shape", ())) for k, v in header.items()
+              if k != "__metadata__" and isinstance(v, dict)}
+    dtypes = sorted({v.get("dtype", "?") for k, v in header.items()
+                     if k != "__metadata__" and isinstance(v, dict)})
+    trainer = read_json(where / "trainer.json", "trainer state") if (where / "trainer.json").exists() else {}
+    dataset = read_json(where / "dataset.json", "dataset description") if (where / "dataset.json").exists() else {}
+    tok = dataset.get("tokenizer") or config.get("data", {}).get("tokenizer") or {}
+    files = [{"name": p.name, "bytes": p.stat().st_size} for p in sorted(where.iterdir()) if p.is_file()]
+    info = {
+        "path": str(path),
+        "checkpoint": str(where),
+        "format_version": manifest.get("version"),
+        "zlm_version": manifest.get("zlm_version") or config.get("zlm_version"),
+        "step": trainer.get("step", manifest.get("step")),
+        "epoch": trainer.get("epoch"),
+        "valid_bpc": trainer.get("valid_bpc"),
+        "best_valid_bpc": _finite(trainer.get("best_bpc")),
+        "model": model_cfg.to_dict(),
+        "parameters": sum(math.prod(s) for s in shapes.values()),
+        "dtypes": dtypes,
+        "mismatches": _mismatches(_expected_shapes(model_cfg), shapes),
+        "tokenizer": {"kind": tok.get("kind"), "vocab_size": tok.get("vocab_size"),
+                      "unit": dataset.get("unit") or config.get("data", {}).get("unit")},
+        "data": config.get("data", {}).get("path"),
+        "train": config.get("train", {}),
+        "files": files,
+        "total_bytes": sum(f["bytes"] for f in files),
+    }
+    run = where.parent.parent if where.parent.name == "checkpoints" else where.parent
+    steps = ckpt.step_dirs(run)
+    if steps:
+        info["run"] = {"dir": str(run), "checkpoints": [p.name for p in steps],
+                       "latest_step": _latest_step(steps)}
+    return info
+
+
+def _latest_step(steps: list[Path]) -> int | None:
+    for p in reversed(steps):
+        try:
+            manifest = ckpt.verify(p, deep=False)
+        except CheckpointError:
+            continue
+        return manifest.get("step")
+    return None
+
+
+def _finite(x):
+    return x if isinstance(x, (int, float)) and math.isfinite(x) else None

@@ -1,0 +1,7 @@
+"""Training: typed config and presets (config, presets), the Trainer and its step (trainer),
+everything that resumes (state), learning-rate schedules (schedule), processes and
+parallelism applied from outside the model (distributed, launch, graphs), and `zlm train`
+end to end (runner).
+
+May import: zlm.core, zlm.model, zlm.data, zlm.errors, zlm.version. Never zlm.inference.
+"""

@@ -1,0 +1,177 @@
+"""`zlm train --nproc N`: N local training processes under torch's elastic agent.
+
+This is the machinery torchrun uses (`torch.distributed.launcher.api.elastic_launch`
+with a standalone c10d rendezvous on localhost), not a process pool of our own: the agent
+starts N workers with RANK, LOCAL_RANK, WORLD_SIZE and MASTER_ADDR/PORT set, watches them,
+and stops every worker as soon as one fails. `zlm.distributed` then sees exactly the
+environment torchrun would have given it.
+
+The launching process checks the run directory, prepares the data and resolves the config
+first, so mistakes are reported once and before any worker starts. Each worker runs in a
+session of its own: Ctrl-C or SIGTERM reaches the agent alone, which forwards it to every
+worker once, so the workers save a checkpoint together and exit cleanly.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from zlm.errors import UsageError, ZlmError
+
+SHUTDOWN_GRACE = 60  # seconds the workers get to save a checkpoint after Ctrl-C/SIGTERM
+
+
+class WorkersFailed(ZlmError):
+    """A worker process failed; the agent stopped the others. Carries the worker's exit code."""
+
+    def __init__(self, message: str, exit_code: int = 1):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def run_local(fn: Callable, args: tuple, nproc: int, *, max_restarts: int = 0,
+              shutdown_timeout: int | None = None) -> dict[int, Any]:
+    """Run `fn(*args)` in `nproc` worker processes on this machine; {rank: return value}.
+
+    fn must be importable by name (the workers are spawned). Raises WorkersFailed naming
+    every failed rank, or Interrupted when the launcher got a signal (after forwarding it
+    to the workers and giving them `shutdown_timeout` seconds to stop). max_restarts:
+    relaunch all workers this often after a failure (TORCHELASTIC_RESTART_COUNT tells them
+    which attempt they are).
+    """
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if "OMP_NUM_THREADS" not in os.environ:  # as torchrun: share the cores among the workers
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    if shutdown_timeout is None:
+        shutdown_timeout = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", SHUTDOWN_GRACE))
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"zlm-{uuid.uuid4().hex[:12]}",
+        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=max_restarts,
+        monitor_interval=0.1, start_method="spawn", shutdown_timeout=shutdown_timeout,
+    )
+    handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+    saved = {sig: signal.getsignal(sig) for sig in handled}  # the agent installs its own
+    try:
+        return elastic_launch(config, _worker)(fn, *args)
+    except ChildFailedError as e:
+        raise WorkersFailed(*_describe_failures(e, nproc)) from None
+    except SignalException as e:
+        raise Interrupted(e.sigval) from None
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            for sig, handler in saved.items():
+                if handler is not None:
+                    signal.signal(sig, handler)
+
+
+class Interrupted(ZlmError):
+    """The launcher got Ctrl-C or SIGTERM and the workers were told to save and stop."""
+
+    def __init__(self, sig: int):
+        self.signal = signal.Signals(sig)
+        super().__init__(f"interrupted by {self.signal.name}")
+        self.exit_code = 128 + int(sig)
+
+
+def _describe_failures(e, nproc: int) -> tuple[str, int]:
+    """ChildFailedError -> (one line naming every failed rank, the exit code to return)."""
+    parts, code = [], None
+    for rank, f in sorted(e.failures.items()):
+        if f.exitcode < 0:
+            parts.append(f"rank {rank} was killed by {f.signal_name()}")
+            code = code or 1
+        else:
+            msg = f.message.get("message", "") if isinstance(f.message, dict) else str(f.message)
+            why = "" if not msg or msg.startswith("To enable traceback") else f" ({msg.splitlines()[0]})"
+            parts.append(f"rank {rank} exited with code {f.exitcode}{why}")
+            code = code or f.exitcode
+    text = "; ".join(parts) + f"; all {nproc} processes were stopped"
+    return text, code or 1
+
+
+def _worker(fn: Callable, *args):
+    """Runs in each worker: own session, cores shared out, errors as one line and an exit code."""
+    import torch
+
+    os.setsid()  # signals for the job reach the agent, which forwards them once
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads and threads.isdigit():
+        torch.set_num_threads(int(threads))
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        return fn(*args)
+    except ZlmError as e:
+        print(f"error: rank {rank}: {e}", file=sys.stderr, flush=True)
+        sys.exit(e.exit_code)
+    except torch.distributed.DistError as e:  # a peer died or timed out: say so in one line
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"error: rank {rank} lost contact with the other processes ({first})", file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
+def _train_worker(req) -> None:
+    """One rank of `zlm train --nproc`: the single-process path, under the launcher's environment."""
+    from zlm.core.report import Reporter
+    from zlm.training.runner import run_training
+
+    quiet = Reporter() if int(os.environ.get("RANK", "0")) != 0 else None  # only rank 0 prints
+    code = run_training(req, reporter=quiet)
+    if code:
+        sys.exit(code)
+
+
+def launch_local(req) -> int:
+    """`zlm train ... --nproc N`: check, prepare, then train in N local processes.
+
+    Returns the exit code: 0; the failing worker's code (1 if it was killed); 128+signal
+    when interrupted (the workers saved a checkpoint first).
+    """
+    from zlm.core.progress import make_reporter
+    from zlm.training.config import parse_duration, resolve
+    from zlm.training.runner import default_run_dir, open_or_prepare
+    from zlm.training.trainer import check_run_dir
+
+    nproc = req.nproc
+    if "WORLD_SIZE" in os.environ and "TORCHELASTIC_RUN_ID" in os.environ:
+        raise UsageError("--nproc starts its own processes; under torchrun leave --nproc out")
+    rep = make_reporter()
+    run_dir = req.out or default_run_dir(req.source, req.resume)
+    check_run_dir(run_dir, req.resume)
+    data = open_or_prepare(req.source, run_dir, req.mirror, rep)
+    overrides = dict(req.overrides)
+    if req.time_budget is not None:
+        overrides["time_budget"] = parse_duration(req.time_budget)
+    _, train_cfg, _ = resolve(data.vocab_size, req.preset, overrides)  # usage errors, once
+    _check_devices(train_cfg.device, nproc)
+    rep.message(f"launching {nproc} processes (torch elastic agent, standalone rendezvous)")
+    try:
+        run_local(_train_worker, (replace(req, out=run_dir, nproc=None),), nproc)
+    except Interrupted as e:
+        rep.message(f"{e}: checkpoint saved; continue with zlm train {req.source} --out {run_dir} "
+                    f"--nproc {nproc} --resume")
+        return e.exit_code
+    except WorkersFailed as e:
+        raise WorkersFailed(f"{e}; continue from the last complete checkpoint with zlm train {req.source} "
+                            f"--out {run_dir} --nproc {nproc} --resume", e.exit_code) from None
+    return 0
+
+
+def _check_devices(device: str, nproc: int) -> None:
+    import torch
+
+    if device == "cpu" or not torch.cuda.is_available():
+        return
+    n = torch.cuda.device_count()
+    if nproc > n:
+        raise UsageError(f"--nproc {nproc} but this machine has {n} CUDA device(s), one per process; "
+                         f"pass --nproc {n} or --device cpu")
