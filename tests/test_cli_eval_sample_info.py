@@ -13,7 +13,8 @@ from conftest import shakespeare_text, write_char_dataset
 from zlm.cli import app
 from zlm.data.dataset import Dataset
 from zlm.model.lm import ModelConfig
-from zlm.training.trainer import TrainConfig, train
+from zlm.training.config import TrainConfig
+from zlm.training.trainer import train
 
 runner = CliRunner()
 

@@ -29,8 +29,9 @@ from zlm.data.dataset import Dataset
 from zlm.data.streams import CarryStreams
 from zlm.errors import CheckpointError
 from zlm.model.lm import ModelConfig, ZoneoutLM
+from zlm.training.config import TrainConfig
 from zlm.training.launch import WorkersFailed, run_local
-from zlm.training.trainer import TrainConfig, train
+from zlm.training.trainer import train
 
 pytestmark = pytest.mark.distributed
 

@@ -19,7 +19,8 @@ from zlm.data.dataset import Dataset
 from zlm.errors import DataError
 from zlm.inference.api import load
 from zlm.model.lm import ModelConfig, ZoneoutLM
-from zlm.training.trainer import TrainConfig, train
+from zlm.training.config import TrainConfig
+from zlm.training.trainer import train
 
 
 def train_tiny(run_dir, data_dir, steps=20):

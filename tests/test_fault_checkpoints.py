@@ -26,10 +26,11 @@ from zlm.data.dataset import Dataset
 from zlm.data.streams import CarryStreams
 from zlm.errors import ZlmError
 from zlm.model.lm import ModelConfig, ZoneoutLM
+from zlm.training.config import TrainConfig
 from zlm.training.distributed import Parallel
 from zlm.training.schedule import LRSchedule, ScheduleConfig
-from zlm.training.state import save_training_checkpoint
-from zlm.training.trainer import TrainConfig, train
+from zlm.training.state import Checkpointer, RNGState, TrainState
+from zlm.training.trainer import train
 
 
 def _saver(data: Dataset):
@@ -46,9 +47,9 @@ def _saver(data: Dataset):
     config = {"model": model.config.to_dict()}
 
     def save(run_dir: Path, step: int) -> Path:
-        t = {"step": step, "elapsed": 0.0, "best_bpc": 2.0, "nonfinite": 0}
-        return save_training_checkpoint(run_dir, t, model, opt, scaler, streams, sched, state,
-                                        config, data, Parallel(), keep_last=3)
+        parts = {"model": model, "optimizer": opt, "scaler": scaler, "streams": streams, "schedule": sched,
+                 "train_state": TrainState(step=step, best_bpc=2.0), "rng": RNGState(torch.device("cpu"))}
+        return Checkpointer(run_dir, config, data, Parallel(), keep_last=3).save(parts, state)
 
     return save
 

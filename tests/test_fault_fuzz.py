@@ -25,7 +25,8 @@ from zlm.data.dataset import Dataset
 from zlm.errors import CheckpointError
 from zlm.inference import load as inference
 from zlm.model.lm import ModelConfig
-from zlm.training.trainer import TrainConfig, train
+from zlm.training.config import TrainConfig
+from zlm.training.trainer import train
 
 pytestmark = pytest.mark.slow
 

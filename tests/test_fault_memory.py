@@ -15,7 +15,8 @@ from zlm.core.scoring import EvalProtocol, score_predictions
 from zlm.data.dataset import Dataset
 from zlm.data.tokenizers import CharTokenizer
 from zlm.model.lm import ModelConfig, ZoneoutLM
-from zlm.training.trainer import TrainConfig, train
+from zlm.training.config import TrainConfig
+from zlm.training.trainer import train
 
 MB = 1024 * 1024
 

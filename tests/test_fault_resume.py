@@ -21,7 +21,8 @@ from zlm.core.metrics import read_metrics
 from zlm.data.dataset import Dataset
 from zlm.errors import NonFiniteError
 from zlm.model.lm import ModelConfig
-from zlm.training.trainer import TrainConfig, train
+from zlm.training.config import TrainConfig
+from zlm.training.trainer import train
 
 
 class RecordingStreams:

@@ -11,6 +11,7 @@ changed input honoured by the next replay, training through `zlm.train` with gra
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import pytest
 import torch
@@ -20,8 +21,9 @@ from zlm.data.dataset import Dataset
 from zlm.errors import UsageError
 from zlm.model.cells import choose_cell
 from zlm.model.lm import ModelConfig, ZoneoutLM, token_nll
+from zlm.training.config import TrainConfig
 from zlm.training.graphs import CapturedStep, WindowStep, graphs_unavailable_reason, resolve_graphs
-from zlm.training.trainer import TrainConfig, train
+from zlm.training.trainer import forward_backward, train
 
 CPU = Runtime(torch.device("cpu"), "fp32")
 CUDA = Runtime(torch.device("cuda"), "fp32")
@@ -61,6 +63,12 @@ def _model(device, layers=2, seed=0):
     return ZoneoutLM(cfg, choose_cell("auto", device).fn).to(device)
 
 
+def window_step(model, runtime, scaler, graphs=False) -> WindowStep:
+    """The trainer's forward_backward wrapped the way the trainer wraps it."""
+    fn = partial(forward_backward, model, runtime, scaler, cache=not graphs)
+    return WindowStep(fn, [p for p in model.parameters() if p.requires_grad], graphs=graphs)
+
+
 def _batch(device, T=7, B=3, seed=1):
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(11, (T + 1, B), generator=g).to(device)
@@ -76,7 +84,7 @@ def test_eager_window_step_is_the_training_step():
     state = a.initial_state(x.shape[1])
     torch.manual_seed(5)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    loss, (h, c) = WindowStep(a, CPU, scaler)(x, y, state)
+    loss, (h, c) = window_step(a, CPU, scaler)(x, y, state)
     torch.manual_seed(5)
     logits, (h2, c2) = b(x, state)
     want = token_nll(logits, y) / y.numel()
@@ -153,7 +161,7 @@ def test_replayed_windows_equal_eager_ones_on_cpu(monkeypatch):
     monkeypatch.setattr("zlm.training.graphs.MAX_SHAPES", 2)
     eager_m, graph_m = _model("cpu"), _model("cpu")
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    eager, graphed = WindowStep(eager_m, CPU, scaler), WindowStep(graph_m, CPU, scaler, graphs=True)
+    eager, graphed = window_step(eager_m, CPU, scaler), window_step(graph_m, CPU, scaler, graphs=True)
     s_e = s_g = eager_m.initial_state(3)
     for k, T in enumerate((7, 7, 5, 7, 4, 5)):  # 4 is a third shape: run eagerly
         x, y = _batch("cpu", T=T, seed=10 + k)
@@ -222,8 +230,8 @@ def test_graph_replay_matches_eager_cuda(precision):
     eager_m.train()
     graph_m.train()
     scaler = torch.amp.GradScaler("cuda", enabled=False)
-    eager = WindowStep(eager_m, rt, scaler, graphs=False)
-    graphed = WindowStep(graph_m, rt, scaler, graphs=True)
+    eager = window_step(eager_m, rt, scaler, graphs=False)
+    graphed = window_step(graph_m, rt, scaler, graphs=True)
     s_e = s_g = eager_m.initial_state(3, "cuda")
     for k in range(3):
         x, y = _batch("cuda", seed=10 + k)

@@ -17,7 +17,8 @@ from zlm.errors import CheckpointError
 from zlm.inference.api import load
 from zlm.model.lm import ModelConfig
 from zlm.tools.info import describe
-from zlm.training.trainer import TrainConfig, train
+from zlm.training.config import TrainConfig
+from zlm.training.trainer import train
 
 
 @pytest.fixture(scope="module")

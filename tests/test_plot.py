@@ -21,7 +21,8 @@ from zlm.cli.plot import WIDTH, render_terminal, terminal_lines
 from zlm.data.dataset import Dataset
 from zlm.model.lm import ModelConfig
 from zlm.tools.curves import Curve, read_run, read_runs, sample_at
-from zlm.training.trainer import TrainConfig, train
+from zlm.training.config import TrainConfig
+from zlm.training.trainer import train
 
 runner = CliRunner()
 

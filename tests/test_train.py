@@ -15,7 +15,8 @@ from zlm.core.report import Reporter
 from zlm.data.dataset import Dataset
 from zlm.errors import DataError, NonFiniteError, UsageError
 from zlm.model.lm import ModelConfig
-from zlm.training.trainer import TrainConfig, train
+from zlm.training.config import TrainConfig
+from zlm.training.trainer import train
 
 
 class Recorder(Reporter):
@@ -153,19 +154,19 @@ def test_loss_falls_and_checkpoints_hold_only_safetensors_and_json(tiny_data, tm
 
 
 def test_reset_some_zeroes_the_drawn_streams_only():
-    from zlm.training.trainer import _reset_some
+    from zlm.training.trainer import reset_some
 
     h, c = torch.randn(2, 64, 5), torch.randn(2, 64, 5)
-    h2, c2 = _reset_some((h, c), 0.25, (7, 0, 3))
+    h2, c2 = reset_some((h, c), 0.25, (7, 0, 3))
     zero = (h2 == 0).all(dim=(0, 2))
     assert 5 <= int(zero.sum()) <= 30  # about a quarter of 64 streams
     assert torch.equal(zero, (c2 == 0).all(dim=(0, 2)))
     assert torch.equal(h2[:, ~zero], h[:, ~zero]) and torch.equal(c2[:, ~zero], c[:, ~zero])
-    again = _reset_some((h, c), 0.25, (7, 0, 3))  # the same (seed, rank, step): the same draw
+    again = reset_some((h, c), 0.25, (7, 0, 3))  # the same (seed, rank, step): the same draw
     assert torch.equal(again[0], h2)
-    other = _reset_some((h, c), 0.25, (7, 0, 4))
+    other = reset_some((h, c), 0.25, (7, 0, 4))
     assert not torch.equal(other[0], h2)
-    assert _reset_some((h, c), 0.0, (7, 0, 3))[0] is h
+    assert reset_some((h, c), 0.0, (7, 0, 3))[0] is h
 
 
 def test_reset_prob_must_be_a_probability():

@@ -24,6 +24,9 @@ from zlm.core.report import Reporter
 from zlm.data.dataset import Dataset
 from zlm.errors import UsageError, ZlmError
 from zlm.tools.curves import read_json, read_run, read_runs
+from zlm.training.config import configure
+from zlm.training.presets import get_preset
+from zlm.training.trainer import train
 
 # (run directory, setting, z_c, z_h): the paper's (Krueger et al. 2016) ablation.
 ABLATION = (
@@ -67,7 +70,7 @@ class RecipeConfig:
             raise UsageError(f"--max-steps must be >= 1, got {self.max_steps}")
 
     def overrides(self) -> dict:
-        """The explicit model/training options, for zlm.runconfig.resolve."""
+        """The explicit model/training options, for zlm.training.config.configure."""
         keys = ("hidden", "layers", "embed", "batch_size", "bptt", "lr", "eval_every",
                 "log_every", "seed", "device")
         return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
@@ -124,12 +127,10 @@ def prepare_once(config: RecipeConfig, out: Path, rep: Reporter) -> Dataset:
 def train_run(run_dir: Path, data: Dataset, overrides: dict, preset: str | None,
               make_reporter: ReporterFactory) -> None:
     """Train (or resume, or skip when finished) one run of a recipe."""
-    from zlm.training.config import resolve
-    from zlm.training.trainer import train
-
     if (run_dir / "metrics.jsonl").is_file() and read_run(run_dir).finished:
         return
-    model_cfg, train_cfg, _ = resolve(data.vocab_size, preset, overrides)
+    p = get_preset(preset)
+    model_cfg, train_cfg = configure(p.model, p.train, data.vocab_size, overrides)
     resume = run_dir.is_dir() and any(p.name != "data" for p in run_dir.iterdir())
     summary = train(run_dir, data, model_cfg, train_cfg, resume=resume, reporter=make_reporter())
     if summary.get("interrupted"):

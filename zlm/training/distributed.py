@@ -42,6 +42,16 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
+def rank_from_env() -> int:
+    """RANK from the launcher (0 without one), readable before the process group exists."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def world_from_env() -> int:
+    """WORLD_SIZE from the launcher (1 without one)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def restart_count() -> int:
     """How often the elastic agent (torchrun --max-restarts) has restarted this job."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
