@@ -15,7 +15,6 @@ left in eval mode: zoneout uses its expectation, dropout is off.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,27 +49,24 @@ class LoadedModel:
 
     @property
     def data_path(self) -> Path | None:
-        """The DATA_DIR the model was trained on, as recorded in config.json."""
+        """The DATA_DIR the model was trained on, as recorded in config.json.
+
+        A run directory that was moved (or copied to another machine) no longer finds the
+        absolute path it recorded; then RUN_DIR/data, beside best/ or checkpoints/, is used.
+        """
         p = self.config.get("data", {}).get("path")
-        return Path(p) if p else None
+        recorded = Path(p) if p else None
+        if recorded is not None and (recorded / "dataset.json").is_file():
+            return recorded
+        for run_dir in (self.path.parent, self.path.parent.parent):
+            if (run_dir / "data" / "dataset.json").is_file():
+                return run_dir / "data"
+        return recorded
 
     def __repr__(self) -> str:
         c = self.model_config
         return (f"{type(self).__name__}({str(self.path)!r}, {self.tokenizer.kind} vocab {c.vocab_size}, "
                 f"{c.layers}x{c.hidden}, {self.runtime.describe()}, cell {self.cell.name})")
-
-
-def read_json(path: Path, what: str) -> dict:
-    """A JSON object from a checkpoint file, or a one-line CheckpointError."""
-    try:
-        doc = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path} is unreadable ({e.__class__.__name__}); the {what} is "
-                              "damaged: use another checkpoint") from None
-    if not isinstance(doc, dict):
-        raise CheckpointError(f"{path} is not a JSON object; the {what} is damaged: use "
-                              "another checkpoint")
-    return doc
 
 
 def model_config_of(config: dict, path: Path) -> ModelConfig:
@@ -99,7 +95,7 @@ def load_model(path, device: str = "auto", precision: str = "fp32", cell: str = 
     if not isinstance(config, dict):
         raise CheckpointError(f"{loaded.path}/config.json is not a JSON object; use another checkpoint")
     model_cfg = model_config_of(config, loaded.path)
-    meta = read_json(loaded.path / "dataset.json", "dataset description")
+    meta = ckpt.read_json(loaded.path / "dataset.json", "dataset description")
     tok_meta = meta.get("tokenizer") or config.get("data", {}).get("tokenizer")
     if not isinstance(tok_meta, dict):
         raise CheckpointError(f"{loaded.path}/dataset.json names no tokenizer; use another checkpoint")

@@ -20,10 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from zlm.core import checkpoint as ckpt
+from zlm.core.checkpoint import read_json_or_none
 from zlm.core.report import Reporter
 from zlm.data.dataset import Dataset
 from zlm.errors import UsageError, ZlmError
-from zlm.tools.curves import read_json, read_run, read_runs
+from zlm.tools.curves import read_run, read_runs
 from zlm.training.config import configure
 from zlm.training.presets import get_preset
 from zlm.training.trainer import train
@@ -142,11 +143,11 @@ def score_run(run_dir: Path, setting: str, device: str) -> dict:
     """Valid and test BPC of the run's best checkpoint -> RUN_DIR/results.json (kept)."""
     from zlm.inference.evaluate import EvalConfig, evaluate
 
-    results = read_json(run_dir / "results.json")
+    results = read_json_or_none(run_dir / "results.json")
     if results is None:
         valid = evaluate(run_dir, EvalConfig(split="valid", device=device))
         test = evaluate(run_dir, EvalConfig(split="test", device=device))
-        best = read_json(run_dir / "best" / "trainer.json") or {}
+        best = read_json_or_none(run_dir / "best" / "trainer.json") or {}
         results = {"setting": setting, "checkpoint": valid.checkpoint, "best_step": best.get("step"),
                    "valid_bpc": valid.score.bpc, "test_bpc": test.score.bpc,
                    "protocol": valid.protocol, "valid": valid.to_dict(), "test": test.to_dict()}
@@ -208,7 +209,7 @@ def zoneout_ablation(config: RecipeConfig = RecipeConfig(),
     data = prepare_once(config, out, rep)
     base = {**ABLATION_DEFAULTS, **config.overrides(), "dropout": 0.0}
     plan_path = out / "plan.json"
-    plan = read_json(plan_path) or {}
+    plan = read_json_or_none(plan_path) or {}
     minutes = config.minutes if config.minutes is not None else ABLATION_MINUTES
     if config.max_steps is not None:
         plan = {"max_steps": config.max_steps, "how": "--max-steps"}

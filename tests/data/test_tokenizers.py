@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import pathlib
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import SHARED  # ../shared or $ZLM_SHARED
 from zlm.data.tokenizers import (
     ByteTokenizer,
     CharTokenizer,
@@ -18,7 +17,6 @@ from zlm.data.tokenizers import (
 )
 from zlm.errors import DataError, UsageError
 
-SHARED = pathlib.Path(__file__).resolve().parents[2] / "shared"
 SHAKESPEARE = SHARED / "corpora" / "tinyshakespeare" / "input.txt"
 
 

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import gzip
-import pathlib
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import SHARED  # ../shared or $ZLM_SHARED
 from zlm.data.textio import PtbCharDecoder, iter_bytes, iter_text, resolve_files
 from zlm.errors import DataError, UsageError
-
-SHARED = pathlib.Path(__file__).resolve().parents[2] / "shared"
 
 
 def _read(files, chunk=7, fmt="text") -> str:
