@@ -1,4 +1,4 @@
-"""`zlm sample RUN_OR_CHECKPOINT`: parse options, call `zlm.sample.sample_checkpoint`, render.
+"""`zlm sample RUN_OR_CHECKPOINT`: parse options, call `zlm.inference.sample.sample_checkpoint`, render.
 
 One sample streams to stdout as it is generated (flushed every token). Several samples
 are generated together as one batch and each is printed, under a `--- sample i/N ---`

@@ -3,7 +3,7 @@
 What `zlm eval`, `zlm sample` and the Python API (`zlm.inference.api`) share:
 
     lm = zlm.load("runs/shakespeare")          # RUN_DIR (best/, else latest) or checkpoint
-    lm.evaluate_text("To be, or not to be")    # -> zlm.metrics.Score (bpc, perplexity, ...)
+    lm.evaluate_text("To be, or not to be")    # -> zlm.core.metrics.Score (bpc, perplexity, ...)
     lm.evaluate_split("test")                  # the split of the DATA_DIR it was trained on
     lm.sample(prime="ROMEO:", length=200, temperature=0.8, seed=1)   # -> str
 

@@ -1,7 +1,7 @@
 """The zoneout LSTM language model: embedding -> L zoneout LSTM layers -> decoder.
 
 The model is pure: it knows nothing of DDP, autocast or compilation, which are applied
-from outside (`zlm.distributed`, `zlm.precision`). The cell implementation is swappable
+from outside (`zlm.training.distributed`, `zlm.core.precision`). The cell implementation is swappable
 (`zlm.model.cells.choose_cell`) and every implementation uses the same parameters, so a
 checkpoint loads under any of them.
 """

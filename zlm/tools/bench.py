@@ -7,7 +7,7 @@ Three implementations of the same character language model (embedding -> one LST
 - `reference`: `zlm.model.ZoneoutLM` with the reference cell, zoneout z_c 0.5, z_h 0.05;
 - `fused`: the same model with the cell `choose_cell("fused", device)` picks;
 - `fused+graphs` (CUDA only): the fused model with each window's forward (and backward)
-  replayed from a CUDA graph (`zlm.graphs.CapturedStep`), as `zlm train` runs it.
+  replayed from a CUDA graph (`zlm.training.graphs.CapturedStep`), as `zlm train` runs it.
 
 Phases: `train` (forward, backward; no optimizer step), `infer` (no_grad forward), both
 over (T, B) windows with the state carried, and `sample` (batch 1, one character at a

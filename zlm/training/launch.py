@@ -3,7 +3,7 @@
 This is the machinery torchrun uses (`torch.distributed.launcher.api.elastic_launch`
 with a standalone c10d rendezvous on localhost), not a process pool of our own: the agent
 starts N workers with RANK, LOCAL_RANK, WORLD_SIZE and MASTER_ADDR/PORT set, watches them,
-and stops every worker as soon as one fails. `zlm.distributed` then sees exactly the
+and stops every worker as soon as one fails. `zlm.training.distributed` then sees exactly the
 environment torchrun would have given it.
 
 It knows nothing of training: `zlm.training.runner` plans the run (checks, prepares and
