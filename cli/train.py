@@ -55,6 +55,7 @@ def command(
     zero: Annotated[bool, typer.Option(help="Shard optimizer state across processes (ZeRO stage 1).", rich_help_panel=H_RUN)] = False,
     sample: Annotated[int, typer.Option(help="Print a sample of N characters from the best model at the end.", rich_help_panel=H_RUN)] = 0,
     mirror: Annotated[Path | None, typer.Option(help="Local copy of named corpora.", rich_help_panel=H_RUN)] = None,
+    unknown: Annotated[str | None, typer.Option(help="A raw SOURCE's characters missing from its train split: include (vocabulary from the whole text; default for files) | replace (U+FFFD) | error.", rich_help_panel=H_RUN)] = None,
 ) -> None:
     """Train a zoneout LSTM language model on SOURCE; live BPC; safetensors checkpoints."""
     options = dict(locals())  # the signature is the interface: every config option, None = not given
@@ -65,7 +66,7 @@ def command(
         options["time_budget"] = parse_duration(time_budget)
     rep = make_reporter()
     req = TrainRequest(source=source, out=out, resume=resume, preset=preset, options=options,
-                       nproc=nproc, mirror=mirror)
+                       nproc=nproc, mirror=mirror, unknown=unknown)
     outcome = run_training(req, rep)
     if outcome.interrupted:
         step = outcome.summary.get("step")
@@ -77,4 +78,4 @@ def command(
         rep.message("sample:\n" + load(outcome.run_dir).sample(length=sample, temperature=0.8, seed=0))
 
 
-_NOT_CONFIG = ("source", "out", "resume", "preset", "nproc", "sample", "mirror")
+_NOT_CONFIG = ("source", "out", "resume", "preset", "nproc", "sample", "mirror", "unknown")

@@ -139,6 +139,9 @@ def test_explicit_valid_test_and_unknown_characters(tmp_path):
     ds = prepare(train, tmp_path / "d", PrepareConfig(valid=valid, test=test, unknown="replace"))
     assert ds.tokenizer.decode(ds.tokens("test")) == "ab\nca\ufffd\n"
     assert ds.split_info("valid").characters == 4 and ds.meta["unknown"] == "replace"
+    ds = prepare(train, tmp_path / "i", PrepareConfig(valid=valid, test=test, unknown="include"))
+    assert ds.tokenizer.decode(ds.tokens("test")) == "ab\ncaé\n"  # the whole corpus's vocabulary
+    assert ds.vocab_size == 6 and ds.meta["unknown"] == "include"
 
 
 def test_ptb_char_files_decode_to_50_symbols(tmp_path):

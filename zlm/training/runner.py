@@ -39,6 +39,7 @@ class TrainRequest:
     options: dict = field(default_factory=dict)  # {config field: value}; None = not given
     nproc: int | None = None  # launch this many local processes
     mirror: Path | None = None  # local copy of named corpora
+    unknown: str | None = None  # raw sources: zlm prepare's --unknown (default: include)
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ def plan_run(req: TrainRequest, rep: Reporter) -> Plan:
     run_dir = req.out or default_run_dir(req.source, resume or distributed.world_from_env() > 1)
     if distributed.rank_from_env() == 0:
         RunDir(run_dir).check(resume)
-        data = open_or_prepare(req.source, run_dir, req.mirror, rep)
+        data = open_or_prepare(req.source, run_dir, req.mirror, rep, req.unknown)
     else:  # prepared data is read-only once rank 0 has written it
         data = _wait_for_data(req.source, run_dir)
     preset = get_preset(req.preset)
@@ -118,8 +119,14 @@ def _launch(plan: Plan, req: TrainRequest, rep: Reporter) -> Outcome:
     return Outcome(plan.run_dir, {})
 
 
-def open_or_prepare(source: str, run_dir: Path, mirror: Path | None, rep: Reporter) -> Dataset:
-    """A prepared DATA_DIR as it is; anything else is prepared into RUN_DIR/data (char)."""
+def open_or_prepare(source: str, run_dir: Path, mirror: Path | None, rep: Reporter,
+                    unknown: str | None = None) -> Dataset:
+    """A prepared DATA_DIR as it is; anything else is prepared into RUN_DIR/data (char).
+
+    A text file's vocabulary is every character of the whole file (`--unknown include`,
+    as char-rnn and nanoGPT build it), so any UTF-8 text trains without flags; a named
+    corpus keeps its own convention. `unknown` overrides both.
+    """
     src = Path(source)
     if src.is_dir() and (src / "dataset.json").exists():
         return Dataset.open(src)
@@ -130,8 +137,11 @@ def open_or_prepare(source: str, run_dir: Path, mirror: Path | None, rep: Report
     if (data_dir / "dataset.json").exists():
         rep.message(f"using the data already prepared in {data_dir}")
         return Dataset.open(data_dir)
-    rep.message(f"preparing {source} into {data_dir} (char tokenizer, 90/5/5 split)")
-    return prepare(source, data_dir, PrepareConfig(mirror=mirror))
+    if unknown is None and source not in catalog.names():
+        unknown = "include"
+    vocab = {"include": ", vocabulary from the whole text", "replace": ", unseen characters -> U+FFFD"}
+    rep.message(f"preparing {source} into {data_dir} (char tokenizer, 90/5/5 split{vocab.get(unknown, '')})")
+    return prepare(source, data_dir, PrepareConfig(mirror=mirror, unknown=unknown))
 
 
 def _wait_for_data(source: str, run_dir: Path, timeout: float = 3600.0) -> Dataset:
