@@ -124,6 +124,7 @@ def load_extension(on_event: Callable[[str], None] | None = None):
         except Exception as e:  # any build or load failure: fall back, in one line
             first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
             reason = f"the C++ step did not build ({first[:200]})"
+            log.warning("%s; the Python fused cell runs instead", reason)
     _state["reason"] = reason
     return None
 
