@@ -169,7 +169,7 @@ class Stepper:
                 rec, h_lp = None, None
                 g.addmm_(h, self.w_hh[k])
             self.ext.forward_step(g, rec, g, c, h, None, self.keep_c[k], None, self.keep_h[k],
-                                  c, None, h, h_lp)
+                                  c, self.tanh_c, h, h_lp)
         return self.h[-1]
 
     def _layers_torch(self, tok: Tensor) -> Tensor:

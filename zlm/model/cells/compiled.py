@@ -109,7 +109,7 @@ def _forward(ext, x, h0, c0, w_ih, w_hh, bias, keep_c: Keep, keep_h: Keep, lp: b
         kc, zc = _keep_args(keep_c, t)
         kh, zh = _keep_args(keep_h, t)
         ext.forward_step(xp, rec, gates[t], c[t], y_all[t], kc, zc, kh, zh, c[t + 1],
-                         tc[t] if save else None, y_all[t + 1], ws.h_lp[t + 1] if lp else None)
+                         tc[t], y_all[t + 1], ws.h_lp[t + 1] if lp else None)
     return y_all, ws
 
 

@@ -68,11 +68,17 @@ def cache_root() -> Path:
     return Path(base) / "zlm" / "ext"
 
 
+def compile_flags(isa: str) -> list[str]:
+    """-O3 and explicit ISA flags; no -ffast-math (-fno-trapping-math lets the exp vectorise)."""
+    return ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", *_ISA_FLAGS[isa]]
+
+
 def build_key(isa: str | None = None) -> str:
-    """zlm_cpu_<torch version>_<isa>_<source hash>: one build per combination."""
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    """zlm_cpu_<torch version>_<isa>_<hash of source and flags>: one build per combination."""
+    isa = isa or instruction_set()
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(compile_flags(isa)).encode()).hexdigest()[:12]
     version = re.sub(r"[^0-9A-Za-z]+", "_", torch.__version__)
-    return f"zlm_cpu_{version}_{isa or instruction_set()}_{digest}"
+    return f"zlm_cpu_{version}_{isa}_{digest}"
 
 
 def _compiler_missing() -> str | None:
@@ -94,7 +100,7 @@ def _build(on_event: Callable[[str], None]):
     if fresh:
         on_event(f"compiling the CPU cell's C++ step for {isa} (first use; cached in {directory})")
     t0 = time.perf_counter()
-    flags = ["-O3", "-fopenmp", "-fno-math-errno", *_ISA_FLAGS[isa]]
+    flags = compile_flags(isa)
     module = cpp_extension.load(
         name=key, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
         build_directory=str(directory), verbose=False,

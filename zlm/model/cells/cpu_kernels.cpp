@@ -11,7 +11,7 @@
 //   rec  (B, 4H) S or bf16, optional   h_prev W_hh^T (added to xp here)
 //   acts (B, 4H) S   out: i, f, g, o after their activations (g = tanh); may alias xp
 //   c_prev, h_prev (B, H) S; kc, kh (B, H) S keep masks, or absent: the floats zc, zh
-//   c_out (B, H) S zoned c;  tc_out (B, H) S tanh(c~), optional;  y_out (B, H) S zoned h
+//   c_out (B, H) S zoned c;  tc_out (B, H) S tanh(c~) (scratch when not saved);  y_out (B, H) S zoned h
 //   y_lp (B, H) bf16, optional: a bf16 copy of y for the next bf16 matrix multiply
 // Equations (SPEC.md section 4):
 //   c~ = f c_prev + i g;  h~ = o tanh(c~);  c = kc c_prev + (1-kc) c~;  h = kh h_prev + (1-kh) h~
@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -75,40 +76,57 @@ template <typename S> inline S load(const uint16_t* p, int64_t k) { return stati
 // (waking a second thread costs more than the work, worse still on a busy machine).
 inline int64_t grain_rows(int64_t H) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(H, 1)); }
 
-template <typename T> T* opt_ptr(const c10::optional<at::Tensor>& t) {
-  return t.has_value() && t->defined() ? reinterpret_cast<T*>(t->data_ptr()) : nullptr;
-}
+inline bool given(const c10::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
 
+// A (B, n) row-major operand, or one constant row broadcast to every row (row stride 0):
+// the inner loops stay free of branches, so the compiler vectorises them.
+template <typename T>
+struct Rows {
+  const T* p;
+  int64_t stride;
+  std::vector<T> fill;
+  Rows(const c10::optional<at::Tensor>& t, int64_t n, T value) {
+    if (given(t)) {
+      p = reinterpret_cast<const T*>(t->data_ptr());
+      stride = n;
+    } else {
+      fill.assign(n, value);
+      p = fill.data();
+      stride = 0;
+    }
+  }
+  const T* row(int64_t b) const { return p + b * stride; }
+};
+
+// R: type of the recurrent part (S, or uint16_t = bf16); with bf16 a bf16 copy of y is written.
 template <typename S, typename R>
-void forward_rows(int64_t r0, int64_t r1, int64_t H, const S* xp, const R* rec, S* acts, const S* c_prev,
-                  const S* h_prev, const S* kc, S zc, const S* kh, S zh, S* c_out, S* tc_out, S* y_out,
-                  uint16_t* y_lp) {
+void forward_rows(int64_t r0, int64_t r1, int64_t H, const S* xp, const Rows<R>& rec, S* acts,
+                  const S* c_prev, const S* h_prev, const Rows<S>& kc, const Rows<S>& kh, S* c_out,
+                  S* tc_out, S* y_out, uint16_t* y_lp) {
   for (int64_t b = r0; b < r1; ++b) {
     const int64_t g0 = b * 4 * H, s0 = b * H;
+    const S* x = xp + g0;
+    const R* r = rec.row(b);
+    const S *kcr = kc.row(b), *khr = kh.row(b);
+    S* a = acts + g0;
 #pragma omp simd
     for (int64_t j = 0; j < H; ++j) {
-      S pi = xp[g0 + j], pf = xp[g0 + H + j], pg = xp[g0 + 2 * H + j], po = xp[g0 + 3 * H + j];
-      if (rec) {
-        pi += load<S>(rec, g0 + j);
-        pf += load<S>(rec, g0 + H + j);
-        pg += load<S>(rec, g0 + 2 * H + j);
-        po += load<S>(rec, g0 + 3 * H + j);
-      }
+      const S pi = x[j] + load<S>(r, j), pf = x[H + j] + load<S>(r, H + j);
+      const S pg = x[2 * H + j] + load<S>(r, 2 * H + j), po = x[3 * H + j] + load<S>(r, 3 * H + j);
       const S i = sigm(pi), f = sigm(pf), g = tanh_(pg), o = sigm(po);
       const S cp = c_prev[s0 + j], hp = h_prev[s0 + j];
       const S ct = f * cp + i * g;
       const S tc = tanh_(ct);
       const S ht = o * tc;
-      const S dc = kc ? kc[s0 + j] : zc, dh = kh ? kh[s0 + j] : zh;
-      const S h = ht + dh * (hp - ht);
-      acts[g0 + j] = i;
-      acts[g0 + H + j] = f;
-      acts[g0 + 2 * H + j] = g;
-      acts[g0 + 3 * H + j] = o;
-      c_out[s0 + j] = ct + dc * (cp - ct);
-      if (tc_out) tc_out[s0 + j] = tc;
+      const S h = ht + khr[j] * (hp - ht);
+      a[j] = i;
+      a[H + j] = f;
+      a[2 * H + j] = g;
+      a[3 * H + j] = o;
+      c_out[s0 + j] = ct + kcr[j] * (cp - ct);
+      tc_out[s0 + j] = tc;
       y_out[s0 + j] = h;
-      if (y_lp) y_lp[s0 + j] = f_to_bf16(static_cast<float>(h));
+      if constexpr (sizeof(R) == 2) y_lp[s0 + j] = f_to_bf16(static_cast<float>(h));
     }
   }
 }
@@ -118,20 +136,23 @@ void forward_rows(int64_t r0, int64_t r1, int64_t H, const S* xp, const R* rec, 
 //   dc~ = (1-kc) dc + (1-kh) dh o (1 - tc^2)
 //   dpre = [dc~ g i(1-i), dc~ c_prev f(1-f), dc~ i (1-g^2), (1-kh) dh tc o(1-o)]
 //   dc <- kc dc + dc~ f   (gradient of c_{t-1}),  carry <- kh dh
-template <typename S, typename R, typename D>
+// R: type of rec and of dpre (S, or uint16_t = bf16).
+template <typename S, typename R>
 void backward_rows(int64_t r0, int64_t r1, int64_t H, const S* acts, const S* tc, const S* c_prev,
-                   const S* kc, S zc, const S* kh, S zh, const S* dy, S* carry, const R* rec, S* dc,
-                   D* dpre) {
+                   const Rows<S>& kc, const Rows<S>& kh, const Rows<S>& dy, S* carry, const Rows<R>& rec,
+                   S* dc, R* dpre) {
   for (int64_t b = r0; b < r1; ++b) {
     const int64_t g0 = b * 4 * H, s0 = b * H;
+    const S* a = acts + g0;
+    const S *kcr = kc.row(b), *khr = kh.row(b), *dyr = dy.row(b);
+    const R* rr = rec.row(b);
+    R* d = dpre + g0;
 #pragma omp simd
     for (int64_t j = 0; j < H; ++j) {
-      S dh = carry[s0 + j];
-      if (dy) dh += dy[s0 + j];
-      if (rec) dh += load<S>(rec, s0 + j);
-      const S i = acts[g0 + j], f = acts[g0 + H + j], g = acts[g0 + 2 * H + j], o = acts[g0 + 3 * H + j];
+      const S dh = carry[s0 + j] + dyr[j] + load<S>(rr, j);
+      const S i = a[j], f = a[H + j], g = a[2 * H + j], o = a[3 * H + j];
       const S t = tc[s0 + j];
-      const S kcj = kc ? kc[s0 + j] : zc, khj = kh ? kh[s0 + j] : zh;
+      const S kcj = kcr[j], khj = khr[j];
       const S dht = (S(1) - khj) * dh;
       const S dct = (S(1) - kcj) * dc[s0 + j] + dht * o * (S(1) - t * t);
       const S di = dct * g * i * (S(1) - i);
@@ -140,77 +161,68 @@ void backward_rows(int64_t r0, int64_t r1, int64_t H, const S* acts, const S* tc
       const S dO = dht * t * o * (S(1) - o);
       dc[s0 + j] = kcj * dc[s0 + j] + dct * f;
       carry[s0 + j] = khj * dh;
-      if constexpr (sizeof(D) == 2) {
-        dpre[g0 + j] = f_to_bf16(static_cast<float>(di));
-        dpre[g0 + H + j] = f_to_bf16(static_cast<float>(df));
-        dpre[g0 + 2 * H + j] = f_to_bf16(static_cast<float>(dg));
-        dpre[g0 + 3 * H + j] = f_to_bf16(static_cast<float>(dO));
+      if constexpr (sizeof(R) == 2) {
+        d[j] = f_to_bf16(static_cast<float>(di));
+        d[H + j] = f_to_bf16(static_cast<float>(df));
+        d[2 * H + j] = f_to_bf16(static_cast<float>(dg));
+        d[3 * H + j] = f_to_bf16(static_cast<float>(dO));
       } else {
-        dpre[g0 + j] = di;
-        dpre[g0 + H + j] = df;
-        dpre[g0 + 2 * H + j] = dg;
-        dpre[g0 + 3 * H + j] = dO;
+        d[j] = di;
+        d[H + j] = df;
+        d[2 * H + j] = dg;
+        d[3 * H + j] = dO;
       }
     }
   }
 }
 
-template <typename S>
+template <typename S, typename R>
 void forward_typed(const at::Tensor& xp, const c10::optional<at::Tensor>& rec, const at::Tensor& acts,
                    const at::Tensor& c_prev, const at::Tensor& h_prev, const c10::optional<at::Tensor>& kc,
                    double zc, const c10::optional<at::Tensor>& kh, double zh, const at::Tensor& c_out,
-                   const c10::optional<at::Tensor>& tc_out, const at::Tensor& y_out,
-                   const c10::optional<at::Tensor>& y_lp) {
+                   const at::Tensor& tc_out, const at::Tensor& y_out, const c10::optional<at::Tensor>& y_lp) {
   const int64_t B = c_prev.size(0), H = c_prev.size(1);
-  const S* xp_p = xp.data_ptr<S>();
-  S* acts_p = acts.data_ptr<S>();
-  const bool rec_bf16 = rec.has_value() && rec->defined() && rec->scalar_type() == at::kBFloat16;
+  const Rows<R> rec_rows(rec, 4 * H, R(0));
+  const Rows<S> kc_rows(kc, H, static_cast<S>(zc)), kh_rows(kh, H, static_cast<S>(zh));
+  uint16_t* lp = given(y_lp) ? reinterpret_cast<uint16_t*>(y_lp->data_ptr()) : nullptr;
   at::parallel_for(0, B, grain_rows(H), [&](int64_t r0, int64_t r1) {
-    auto run = [&](auto* rec_p) {
-      forward_rows<S>(r0, r1, H, xp_p, rec_p, acts_p, c_prev.data_ptr<S>(), h_prev.data_ptr<S>(),
-                      opt_ptr<const S>(kc), static_cast<S>(zc), opt_ptr<const S>(kh), static_cast<S>(zh),
-                      c_out.data_ptr<S>(), opt_ptr<S>(tc_out), y_out.data_ptr<S>(), opt_ptr<uint16_t>(y_lp));
-    };
-    if (rec_bf16) run(opt_ptr<const uint16_t>(rec));
-    else run(opt_ptr<const S>(rec));
+    forward_rows<S, R>(r0, r1, H, xp.data_ptr<S>(), rec_rows, acts.data_ptr<S>(), c_prev.data_ptr<S>(),
+                       h_prev.data_ptr<S>(), kc_rows, kh_rows, c_out.data_ptr<S>(), tc_out.data_ptr<S>(),
+                       y_out.data_ptr<S>(), lp);
   });
 }
 
-template <typename S>
+template <typename S, typename R>
 void backward_typed(const at::Tensor& acts, const at::Tensor& tc, const at::Tensor& c_prev,
                     const c10::optional<at::Tensor>& kc, double zc, const c10::optional<at::Tensor>& kh,
                     double zh, const c10::optional<at::Tensor>& dy, const at::Tensor& carry,
                     const c10::optional<at::Tensor>& rec, const at::Tensor& dc, const at::Tensor& dpre) {
   const int64_t B = c_prev.size(0), H = c_prev.size(1);
-  const bool rec_bf16 = rec.has_value() && rec->defined() && rec->scalar_type() == at::kBFloat16;
-  const bool out_bf16 = dpre.scalar_type() == at::kBFloat16;
+  const Rows<R> rec_rows(rec, H, R(0));
+  const Rows<S> kc_rows(kc, H, static_cast<S>(zc)), kh_rows(kh, H, static_cast<S>(zh)), dy_rows(dy, H, S(0));
+  R* d = reinterpret_cast<R*>(dpre.data_ptr());
   at::parallel_for(0, B, grain_rows(H), [&](int64_t r0, int64_t r1) {
-    auto run = [&](auto* rec_p, auto* dpre_p) {
-      backward_rows<S>(r0, r1, H, acts.data_ptr<S>(), tc.data_ptr<S>(), c_prev.data_ptr<S>(),
-                       opt_ptr<const S>(kc), static_cast<S>(zc), opt_ptr<const S>(kh), static_cast<S>(zh),
-                       opt_ptr<const S>(dy), carry.data_ptr<S>(), rec_p, dc.data_ptr<S>(), dpre_p);
-    };
-    uint16_t* d16 = reinterpret_cast<uint16_t*>(dpre.data_ptr());
-    S* ds = reinterpret_cast<S*>(dpre.data_ptr());
-    if (rec_bf16 && out_bf16) run(opt_ptr<const uint16_t>(rec), d16);
-    else if (rec_bf16) run(opt_ptr<const uint16_t>(rec), ds);
-    else if (out_bf16) run(opt_ptr<const S>(rec), d16);
-    else run(opt_ptr<const S>(rec), ds);
+    backward_rows<S, R>(r0, r1, H, acts.data_ptr<S>(), tc.data_ptr<S>(), c_prev.data_ptr<S>(), kc_rows,
+                        kh_rows, dy_rows, carry.data_ptr<S>(), rec_rows, dc.data_ptr<S>(), d);
   });
 }
 
+// Every tensor contiguous; S = the state dtype (fp32 or fp64); bf16 (rec, y_lp, dpre) only
+// with fp32 state, and then all of them bf16 together (checked here).
 void forward_step(const at::Tensor& xp, const c10::optional<at::Tensor>& rec, const at::Tensor& acts,
                   const at::Tensor& c_prev, const at::Tensor& h_prev, const c10::optional<at::Tensor>& kc,
                   double zc, const c10::optional<at::Tensor>& kh, double zh, const at::Tensor& c_out,
-                  const c10::optional<at::Tensor>& tc_out, const at::Tensor& y_out,
-                  const c10::optional<at::Tensor>& y_lp) {
+                  const at::Tensor& tc_out, const at::Tensor& y_out, const c10::optional<at::Tensor>& y_lp) {
   TORCH_CHECK(xp.dtype() == c_prev.dtype(), "forward_step: xp and state dtypes differ");
+  const bool lp = given(y_lp);
+  TORCH_CHECK(!given(rec) || (rec->scalar_type() == at::kBFloat16) == lp, "forward_step: bf16 rec <=> y_lp");
   if (xp.scalar_type() == at::kDouble) {
-    TORCH_CHECK(!(y_lp.has_value() && y_lp->defined()), "forward_step: no bf16 copy in fp64");
-    forward_typed<double>(xp, rec, acts, c_prev, h_prev, kc, zc, kh, zh, c_out, tc_out, y_out, y_lp);
+    TORCH_CHECK(!lp, "forward_step: no bf16 with fp64 state");
+    forward_typed<double, double>(xp, rec, acts, c_prev, h_prev, kc, zc, kh, zh, c_out, tc_out, y_out, y_lp);
   } else {
     TORCH_CHECK(xp.scalar_type() == at::kFloat, "forward_step: fp32 or fp64 state");
-    forward_typed<float>(xp, rec, acts, c_prev, h_prev, kc, zc, kh, zh, c_out, tc_out, y_out, y_lp);
+    if (lp) forward_typed<float, uint16_t>(xp, rec, acts, c_prev, h_prev, kc, zc, kh, zh, c_out, tc_out, y_out, y_lp);
+    else forward_typed<float, float>(xp, rec, acts, c_prev, h_prev, kc, zc, kh, zh, c_out, tc_out, y_out, y_lp);
   }
 }
 
@@ -218,11 +230,15 @@ void backward_step(const at::Tensor& acts, const at::Tensor& tc, const at::Tenso
                    const c10::optional<at::Tensor>& kc, double zc, const c10::optional<at::Tensor>& kh,
                    double zh, const c10::optional<at::Tensor>& dy, const at::Tensor& carry,
                    const c10::optional<at::Tensor>& rec, const at::Tensor& dc, const at::Tensor& dpre) {
+  const bool lp = dpre.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(!given(rec) || (rec->scalar_type() == at::kBFloat16) == lp, "backward_step: bf16 rec <=> dpre");
   if (acts.scalar_type() == at::kDouble) {
-    backward_typed<double>(acts, tc, c_prev, kc, zc, kh, zh, dy, carry, rec, dc, dpre);
+    TORCH_CHECK(!lp, "backward_step: no bf16 with fp64 state");
+    backward_typed<double, double>(acts, tc, c_prev, kc, zc, kh, zh, dy, carry, rec, dc, dpre);
   } else {
     TORCH_CHECK(acts.scalar_type() == at::kFloat, "backward_step: fp32 or fp64 state");
-    backward_typed<float>(acts, tc, c_prev, kc, zc, kh, zh, dy, carry, rec, dc, dpre);
+    if (lp) backward_typed<float, uint16_t>(acts, tc, c_prev, kc, zc, kh, zh, dy, carry, rec, dc, dpre);
+    else backward_typed<float, float>(acts, tc, c_prev, kc, zc, kh, zh, dy, carry, rec, dc, dpre);
   }
 }
 
