@@ -16,6 +16,8 @@ library function and renders the result.
 
 from __future__ import annotations
 
+import logging
+
 import typer
 
 app = typer.Typer(
@@ -41,5 +43,11 @@ app.command("recipe")(recipe.command)
 
 
 def main() -> None:
-    """Console-script entry point."""
+    """Console-script entry point. Library notices (the `zlm` loggers: e.g. compiling the
+    CPU cell's C++ step on first use, and how long it took) go to stderr as plain lines."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("zlm: %(message)s"))
+    logger = logging.getLogger("zlm")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
     app()

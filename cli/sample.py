@@ -38,6 +38,8 @@ def command(
     num_samples: Annotated[int, typer.Option(
         help="Samples generated together as one batch.")] = 1,
     device: Annotated[str, typer.Option(help="auto | cpu | cuda.")] = "auto",
+    precision: Annotated[str, typer.Option(
+        help="auto | fp32 | bf16: auto uses bf16 weights in the step on CPUs with native bf16.")] = "auto",
     as_json: Annotated[bool, typer.Option(
         "--json", help="One JSON line per sample: text, log-likelihood.")] = False,
 ) -> None:
@@ -45,7 +47,7 @@ def command(
     config = SampleConfig(length=length, prime=prime, temperature=temperature, top_k=top_k,
                           top_p=top_p, seed=seed, num_samples=num_samples)
     stream = None if as_json or num_samples > 1 else _echo
-    samples = sample_checkpoint(run, config, device, stream)
+    samples = sample_checkpoint(run, config, device, stream, precision)
     if as_json:  # each line carries its seed
         for i, s in enumerate(samples):
             typer.echo(json.dumps({"index": i, **s.to_dict()}))

@@ -12,6 +12,7 @@ import torch
 from typer.testing import CliRunner
 
 from zlm.cli import app
+from zlm.core.precision import cpu_bf16_native
 from zlm.errors import UsageError
 from zlm.tools.bench import IMPLS, BenchConfig, grid_configs, measure, run_bench
 
@@ -35,7 +36,10 @@ def test_cli_json_structure():
     data = json.loads(result.output)
     assert data["device"] == "cpu" and data["threads"] >= 1 and "fused_cell" in data
     phases = {(r["impl"], r["phase"]) for r in data["rows"]}
-    assert phases == {(i, p) for i in IMPLS for p in ("train", "infer", "sample")}
+    assert phases == {(i, p) for i in IMPLS for p in ("train", "infer", "sample")} | {
+        ("nn.LSTM", "model"), ("fused", "model")}  # the whole training step: bar and fused
+    (model,) = [r for r in data["rows"] if r["phase"] == "model" and r["impl"] == "fused"]
+    assert 0 < model["mask_draw_share"] < 1
     for r in data["rows"]:
         assert set(r) >= {"impl", "phase", "hidden", "batch_size", "bptt", "chars_per_s", "ratio_to_lstm"}
     assert all(r["batch_size"] == 1 for r in data["rows"] if r["phase"] == "sample")
@@ -45,18 +49,31 @@ def test_cli_plain_table_names_every_impl():
     result = CliRunner().invoke(app, ["bench", *TINY])
     assert result.exit_code == 0, result.output
     lines = [ln for ln in result.output.splitlines() if ln.startswith("fp32 B=2 H=8 T=3")]
-    assert len(lines) == 2  # train, infer
+    assert len(lines) == 3  # train, infer, model
+    assert "mask draw" in result.output
     for impl in IMPLS:
         assert impl in lines[0]
 
 
-def test_precision_other_than_fp32_needs_cuda():
-    result = CliRunner().invoke(app, ["bench", *TINY, "--precision", "fp32,bf16"])
+def test_cpu_bf16_rows_next_to_fp32_and_fp16_refused():
+    """bf16 on a CPU with native bf16: every impl under plain autocast, in its own rows;
+    elsewhere a one-line error (oneDNN's LSTM has no bf16 there). fp16 needs a GPU."""
+    result = CliRunner().invoke(app, ["bench", *TINY, "--precision", "fp32,bf16", "--json"])
+    if cpu_bf16_native():
+        assert result.exit_code == 0, result.output
+        rows = json.loads(result.output)["rows"]
+        assert {(r["precision"], r["phase"]) for r in rows} == {
+            (p, ph) for p in ("fp32", "bf16") for ph in ("train", "infer", "model")}
+    else:
+        assert result.exit_code == 2 and "no native bf16" in result.output
+        assert len(result.output.strip().splitlines()) == 1
+    result = CliRunner().invoke(app, ["bench", *TINY, "--precision", "fp16"])
     assert result.exit_code == 2
-    assert "--precision bf16 is for --device cuda" in result.output
+    assert "fp16 needs a GPU" in result.output
     assert len(result.output.strip().splitlines()) == 1
     with pytest.raises(UsageError, match="unknown precision 'fp8'"):
         BenchConfig(precision="fp8")
+    assert BenchConfig(precision="auto").precision in ("fp32", "bf16")  # resolved, never "auto"
 
 
 def test_render_with_graphed_rows_and_two_precisions(capsys):

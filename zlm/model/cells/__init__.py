@@ -34,7 +34,7 @@ class CellChoice:
     reason: str
 
 
-def _fused_for(device: torch.device) -> tuple[CellFn | None, str]:
+def _fused_for(device: torch.device, on_event: Callable[[str], None] | None = None) -> tuple[CellFn | None, str]:
     """The fused cell for this device, or None and the reason it does not apply."""
     if device.type == "cuda":
         try:
@@ -50,19 +50,45 @@ def _fused_for(device: torch.device) -> tuple[CellFn | None, str]:
     from zlm.model.cells.packed_gemm import ONEDNN
 
     gemm = "oneDNN packed weights for fp32" if ONEDNN else "addmm (no oneDNN in this torch)"
-    return zoneout_lstm_fused, f"fused CPU cell (hand-written backward; per-step GEMM: {gemm})"
+    compiled, why = _compiled_cpu_cell(on_event)
+    if compiled is not None:
+        return compiled, f"fused CPU cell with the compiled C++ step ({why}; per-step GEMM: {gemm})"
+    return zoneout_lstm_fused, f"fused CPU cell in Python ({why}; per-step GEMM: {gemm})"
 
 
-def choose_cell(request: str = "auto", device: torch.device | str = "cpu") -> CellChoice:
-    """Resolve `--cell auto|fused|reference` for a device."""
+_compiled: dict = {}
+
+
+def _compiled_cpu_cell(on_event: Callable[[str], None] | None) -> tuple[CellFn | None, str]:
+    """The compiled CPU cell (built on first use) and its ISA, or None and a one-line reason."""
+    from zlm.model.cells import cpu_ext
+
+    ext = cpu_ext.load_extension(on_event)
+    if ext is None:
+        return None, cpu_ext.unavailable_reason() or "the C++ step is unavailable"
+    if _compiled.get("ext") is not ext:  # one function object per loaded module
+        from zlm.model.cells.compiled import make_compiled_cell
+
+        _compiled.update(ext=ext, fn=make_compiled_cell(ext))
+    return _compiled["fn"], cpu_ext.instruction_set()
+
+
+def choose_cell(request: str = "auto", device: torch.device | str = "cpu",
+                on_event: Callable[[str], None] | None = None) -> CellChoice:
+    """Resolve `--cell auto|fused|reference` for a device.
+
+    On the CPU, "fused" is the cell with the compiled C++ step when it builds (the first
+    use compiles it: `on_event` hears "compiling ..." and the time it took, else the
+    `zlm.ext` logger), and the Python fused cell otherwise, with the reason in `reason`.
+    """
     device = torch.device(device)
     if request not in CELL_NAMES:
         raise UsageError(f"unknown cell {request!r}; pass --cell auto, fused or reference")
     if request == "reference":
         return CellChoice("reference", zoneout_lstm_reference, "requested with --cell reference")
-    fn, why = _fused_for(device)
+    fn, why = _fused_for(device, on_event)
     if fn is not None:
-        return CellChoice("fused", fn, why if request == "auto" else "requested with --cell fused")
+        return CellChoice("fused", fn, why if request == "auto" else f"requested with --cell fused: {why}")
     if request == "fused":
         raise UsageError(f"--cell fused is not available: {why}; pass --cell reference")
     return CellChoice("reference", zoneout_lstm_reference, f"fallback: {why}")
