@@ -96,19 +96,23 @@ def precision_reason(device: torch.device | str, precision: str, requested: str 
     return f"auto: {precision} on this GPU"
 
 
+def resolve_device(device: str = "auto", local_rank: int = 0) -> torch.device:
+    """`--device auto|cpu|cuda` -> a torch.device (auto: CUDA when available; GPU local_rank)."""
+    if device not in DEVICES:
+        raise UsageError(f"unknown device {device!r}; pass --device auto, cpu or cuda")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda but no CUDA device is available; pass --device cpu")
+    return torch.device(device, local_rank) if device == "cuda" else torch.device("cpu")
+
+
 def resolve_runtime(device: str = "auto", precision: str = "auto", local_rank: int = 0) -> Runtime:
     """`--device auto|cpu|cuda` and `--precision auto|fp32|bf16|fp16` -> a Runtime.
 
     auto device: CUDA when available. auto precision: see `resolve_precision`.
     """
-    if device not in DEVICES:
-        raise UsageError(f"unknown device {device!r}; pass --device auto, cpu or cuda")
     if precision not in PRECISIONS:
         raise UsageError(f"unknown precision {precision!r}; pass --precision auto, fp32, bf16 or fp16")
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda but no CUDA device is available; pass --device cpu")
-    dev = torch.device(device, local_rank) if device == "cuda" else torch.device("cpu")
-    precision = resolve_precision(dev, precision)
-    return Runtime(dev, precision)
+    dev = resolve_device(device, local_rank)
+    return Runtime(dev, resolve_precision(dev, precision))

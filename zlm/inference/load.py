@@ -107,7 +107,7 @@ def load_model(path, device: str = "auto", precision: str = "fp32", cell: str = 
         raise CheckpointError(
             f"{loaded.path}: the tokenizer has {tokenizer.vocab_size} entries but the model "
             f"{model_cfg.vocab_size}; the checkpoint is inconsistent: use another one")
-    choice = choose_cell(cell, runtime.device)
+    choice = choose_cell(cell, runtime.device, zoneout=(model_cfg.zoneout_cell, model_cfg.zoneout_hidden))
     if model_cfg.layers > len(loaded.model):  # each layer has tensors: a damaged config.json
         raise CheckpointError(f"{loaded.path}/config.json says {model_cfg.layers} layers but the "
                               "weights hold fewer; the checkpoint is damaged: use another one")

@@ -49,12 +49,13 @@ class RunDir:
             )
 
     @staticmethod
-    def config(model: ModelConfig, train: TrainConfig, data: Dataset, world: int) -> dict:
-        """config.json: everything resolved, so a checkpoint describes itself."""
+    def config(model: ModelConfig, train: TrainConfig, data: Dataset, world: int, resolved: dict) -> dict:
+        """config.json: the options as given ("train") and what "auto" resolved to ("resolved")."""
         return {
             "zlm_version": __version__,
             "model": model.to_dict(),
             "train": train.to_dict(),
+            "resolved": resolved,
             "data": {"path": str(Path(data.path).resolve()), "tokenizer": data.meta["tokenizer"],
                      "unit": data.unit},
             "world_size": world,

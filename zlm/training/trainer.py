@@ -25,17 +25,17 @@ import torch
 
 from zlm.core import checkpoint as ckpt
 from zlm.core.metrics import LN2
-from zlm.core.precision import resolve_runtime
+from zlm.core.precision import Runtime, resolve_device
 from zlm.core.report import Reporter
 from zlm.core.scoring import EvalProtocol, score_split
 from zlm.data.dataset import Dataset
 from zlm.data.streams import Batch, make_streams
 from zlm.errors import NonFiniteError
-from zlm.model.cells import choose_cell
 from zlm.model.lm import ModelConfig, State, ZoneoutLM, token_nll
 from zlm.training import distributed
 from zlm.training.config import TrainConfig
 from zlm.training.graphs import WindowStep, graphs_unavailable_reason, resolve_graphs
+from zlm.training.resolve import Resolved, cell_for, resolve_fresh, stored
 from zlm.training.run_dir import RunDir
 from zlm.training.schedule import LRSchedule
 from zlm.training.state import Checkpointer, RNGState, TrainState
@@ -94,14 +94,18 @@ class Trainer:
     def __init__(self, run_dir, data: Dataset, model_config: ModelConfig, cfg: TrainConfig, *,
                  resume: bool = False, reporter: Reporter | None = None, fault=None):
         self.run_dir, self.data, self.cfg, self.fault = Path(run_dir), data, cfg, fault
-        self.runtime = resolve_runtime(cfg.device, cfg.precision, distributed.local_rank())
-        self.par = par = distributed.setup(self.runtime.device, zero=cfg.zero)
+        device = resolve_device(cfg.device, distributed.local_rank())
+        self.par = par = distributed.setup(device, zero=cfg.zero)
         self.rep = reporter if reporter is not None and par.is_main else Reporter()
         if par.restarted and not resume:  # an elastic agent relaunched the job after a failure
             self.rep.message(f"elastic restart {distributed.restart_count()}: resuming from the latest checkpoint")
             resume = True
+        latest = self._find_latest() if resume else None
+        # Resolve once: rank 0 decides (from the checkpoint when resuming), every rank follows.
+        self.resolved = par.broadcast_object(self._resolve(model_config, latest, device) if par.is_main else None)
+        self.runtime = Runtime(device, self.resolved.precision)
         torch.manual_seed(cfg.seed + par.rank)
-        self.cell = choose_cell(cfg.cell, self.runtime.device)
+        self.cell = cell_for(self.resolved, model_config, device, self.rep.message)
         self.model = ZoneoutLM(model_config, self.cell.fn).to(self.runtime.device)
         self.ddp_model = par.wrap_model(self.model)
         opt_cls, opt_kw = build_optimizer(cfg)
@@ -113,9 +117,9 @@ class Trainer:
         self.schedule = LRSchedule(cfg.schedule, cfg.lr, self.total_steps, cfg.time_budget)
         self.state, self.carried = TrainState(), None
         self.run = RunDir(self.run_dir)
-        self.config = self.run.config(model_config, cfg, data, par.world)
+        self.config = self.run.config(model_config, cfg, data, par.world, self.resolved.to_dict())
         self.checkpointer = Checkpointer(self.run_dir, self.config, data, par, cfg.keep_last)
-        self.resumed_from = self._resume() if resume else None
+        self.resumed_from = self._load(latest) if latest is not None else None
         self.log = self.run.open(self.config) if par.is_main else None
         self.use_graphs, self.graphs_line = resolve_graphs(cfg.cuda_graphs, graphs_unavailable_reason(
             self.runtime, self.cell.name, par.world, self.scaler.is_enabled(), hooked=fault is not None))
@@ -131,13 +135,21 @@ class Trainer:
                 "streams": self.streams, "schedule": self.schedule, "train_state": self.state,
                 "rng": RNGState(self.runtime.device)}
 
-    def _resume(self) -> Path | None:
-        """Load the latest complete checkpoint rank 0 finds (every rank the same one)."""
+    def _find_latest(self) -> Path | None:
+        """The latest complete checkpoint rank 0 finds (every rank gets the same one)."""
         latest = ckpt.latest_complete(self.run_dir, warn=self.rep.message) if self.par.is_main else None
         latest = self.par.broadcast_object(latest)
         if latest is None:
             self.rep.message(f"no complete checkpoint in {self.run_dir}: starting fresh")
-            return None
+        return latest
+
+    def _resolve(self, model_config: ModelConfig, latest: Path | None, device) -> Resolved:
+        if latest is not None:
+            return stored(latest, device)
+        return resolve_fresh(self.cfg, model_config, device, self.rep.message)
+
+    def _load(self, latest: Path) -> Path:
+        """Every part, the carried state included, from `latest`."""
         self.carried = self.checkpointer.load(latest, self.parts, warn=self.rep.message)
         self.rep.message(f"resumed from {latest} at step {self.state.step}")
         return latest
@@ -251,7 +263,8 @@ class Trainer:
         info = self.data.split_info("train")
         self.rep.start({
             "run": str(self.run_dir), "parameters": f"{self.model.num_parameters():,}",
-            "cell": f"{self.cell.name} ({self.cell.reason})", "runtime": self.runtime.describe(),
+            "cell": f"{self.cell.name} ({self.cell.reason})",
+            "runtime": f"{self.runtime.describe()} ({self.resolved.why})",
             "cuda graphs": self.graphs_line, "processes": self.par.describe(),
             "data": f"{self.data.path} ({self.data.meta['tokenizer']['kind']}, vocab {self.data.vocab_size}, "
                     f"{info.tokens:,} train tokens)",
