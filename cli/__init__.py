@@ -7,6 +7,7 @@ library function and renders the result.
     zlm train SOURCE [--out RUN_DIR]     train a zoneout LSTM, live BPC, checkpoints
     zlm eval RUN                         bits per character on a split or a file
     zlm sample RUN                       generate text
+    zlm score RUN [FILE|-]               bits per character of a text: a heat map of surprise
     zlm info RUN                         what a run or checkpoint holds, without tensors
     zlm bench                            cell throughput against torch.nn.LSTM
     zlm plot RUN [RUN ...]               learning curves: a PNG (--out) or a terminal view
@@ -27,12 +28,13 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
-from zlm.cli import bench, compare, evaluate, info, plot, prepare, recipe, sample, train  # noqa: E402
+from zlm.cli import bench, compare, evaluate, info, plot, prepare, recipe, sample, score, train  # noqa: E402
 
 app.command("prepare")(prepare.command)
 app.command("train")(train.command)
 app.command("eval")(evaluate.command)
 app.command("sample")(sample.command)
+app.command("score")(score.command)
 app.command("info")(info.command)
 app.command("bench")(bench.command)
 app.command("plot")(plot.command)
