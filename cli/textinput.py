@@ -34,6 +34,8 @@ def read_text(source: str, flag: str) -> str:
     flag: how the user named it in error messages ("FILE", "--prime-file").
     """
     if source == "-":
+        if sys.stdin is not None and hasattr(sys.stdin, "isatty") and sys.stdin.isatty():
+            raise UsageError(f"{flag} -: standard input is a terminal; pipe text in or pass a file")
         text = read_stdin()
         if not text:
             raise UsageError(f"{flag} -: standard input is empty; pipe text in, e.g. "
