@@ -55,6 +55,8 @@ class SampleConfig:
     top_p: float | None = None  # keep the smallest set with probability >= p (None or 1: all)
     seed: int | None = None  # None: a fresh random seed (reported with the samples)
     num_samples: int = 1  # generated together as one batch
+    unknown: str = "error"  # error | replace: prime characters outside a char vocabulary
+    prime_flag: str = "--prime"  # how the user passed the prime, for error messages
 
     def __post_init__(self):
         if self.length < 1:
@@ -67,6 +69,8 @@ class SampleConfig:
             raise UsageError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.num_samples < 1:
             raise UsageError(f"--num-samples must be >= 1, got {self.num_samples}")
+        if self.unknown not in ("error", "replace"):
+            raise UsageError(f"--unknown {self.unknown} is not a policy; use error or replace")
 
 
 @dataclass(frozen=True)
@@ -228,16 +232,23 @@ class Chooser:
         return torch.multinomial(probs, 1, generator=self.gen)
 
 
-def encode_prime(lm, prime: str) -> Tensor:
-    """The prime's ids (P,), or the newline context (or id 0) when it is empty."""
+def encode_prime(lm, prime: str, unknown: str = "error", flag: str = "--prime") -> Tensor:
+    """The prime's ids (P,), or the newline context (or id 0) when it is empty.
+
+    unknown="replace" maps characters outside a char vocabulary to its U+FFFD entry; a
+    vocabulary without one, or unknown="error", makes them a one-line UsageError naming
+    the first one (`flag` says where the prime came from).
+    """
     if not prime:
         ctx = context_ids(lm.tokenizer)
         return torch.from_numpy(ctx[-1:]) if ctx is not None else torch.zeros(1, dtype=torch.long)
     try:
-        ids = lm.tokenizer.encode(prime, unknown="error")
+        ids = lm.tokenizer.encode(prime, unknown=unknown)
     except ZlmError as e:
         reason = str(e).split(";")[0]
-        raise UsageError(f"--prime: {reason}; remove or replace it in the prime") from None
+        fix = ("prepare the data with --unknown replace to have one" if unknown == "replace"
+               else "remove or replace it in the prime, or pass --unknown replace")
+        raise UsageError(f"{flag}: {reason}; {fix}") from None
     return torch.from_numpy(ids)
 
 
@@ -254,7 +265,7 @@ def generate(lm, cfg: SampleConfig, on_text: Callable[[str], None] | None = None
     B, n, dev = cfg.num_samples, cfg.length, lm.runtime.device
     seed = cfg.seed if cfg.seed is not None else secrets.randbits(31)
     gen = torch.Generator(device=dev).manual_seed(seed)
-    prime_ids = encode_prime(lm, cfg.prime).to(dev)[:, None]  # (P, 1)
+    prime_ids = encode_prime(lm, cfg.prime, cfg.unknown, cfg.prime_flag).to(dev)[:, None]  # (P, 1)
     state = None
     for s in range(0, prime_ids.shape[0], PRIME_WINDOW):  # the prime, once
         logits, state = model(prime_ids[s : s + PRIME_WINDOW], state)
