@@ -9,6 +9,7 @@ import zlib
 
 import pytest
 
+from conftest import TINY_SHAKESPEARE, need_corpus
 from zlm.data import benchmark as bm
 from zlm.errors import DataError, UsageError
 
@@ -169,7 +170,8 @@ def test_shipped_benchmark_set():
 def test_corpus_source(tmp_path):
     corpora = {c.name: c for c in bm.load_benchmark()}
     assert bm.corpus_source(corpora["stdlib"], tmp_path) == "stdlib"
-    assert bm.corpus_source(corpora["tinyshakespeare"], tmp_path) == "tinyshakespeare"
+    need_corpus(TINY_SHAKESPEARE)
+    assert bm.corpus_source(corpora["tinyshakespeare"], tmp_path).endswith("tinyshakespeare/input.txt")
     write(tmp_path / "python-docs" / "input.txt", "x")
     assert bm.corpus_source(corpora["python-docs"], tmp_path) == str(tmp_path / "python-docs" / "input.txt")
     with pytest.raises(UsageError, match="run scripts/fetch-corpora"):

@@ -330,7 +330,12 @@ def fetch_corpora(out, only: str | None = None, spec=None, fetcher: Fetcher = ap
     """Every selected corpus into OUT/<name>/input.txt, and OUT/manifest.json -> the manifest."""
     out = pathlib.Path(out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
-    entries = [fetch_one(c, out, fetcher, say) for c in select(load_benchmark(spec), only)]
+    corpora = load_benchmark(spec)
+    fresh = {c.name: fetch_one(c, out, fetcher, say) for c in select(corpora, only)}
+    old = {}  # entries of corpora not selected this time (--only) are kept
+    if (out / "manifest.json").is_file():
+        old = {e["name"]: e for e in json.loads((out / "manifest.json").read_text("utf-8"))["corpora"]}
+    entries = [fresh.get(c.name) or old[c.name] for c in corpora if c.name in fresh or c.name in old]
     manifest = {"format": "zlm-benchmark-manifest", "version": 1, "corpora": entries}
     part = out / ".manifest.json.part"
     part.write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
@@ -340,13 +345,13 @@ def fetch_corpora(out, only: str | None = None, spec=None, fetcher: Fetcher = ap
 
 def corpus_source(corpus: BenchCorpus, corpora_dir: pathlib.Path) -> str:
     """What `zlm prepare` reads for a corpus: OUT_DIR/<name>/input.txt, a built-in corpus
-    by name, or (tiny Shakespeare not fetched) the catalog corpus of that name."""
+    by name, or (tiny Shakespeare not fetched) the shared file where `shared_file` finds it."""
     if corpus.source["type"] == "builtin":
         return corpus.source["name"]
     path = corpora_dir / corpus.name / "input.txt"
     if path.is_file():
         return str(path)
-    if corpus.source.get("catalog"):
-        return corpus.source["catalog"]
+    if corpus.source["type"] == "shared":
+        return str(shared_file(corpus.source))
     raise UsageError(f"{path} is missing; run scripts/fetch-corpora {corpora_dir} first "
                      f"(or pass --corpora DIR, or set {ENV_BENCH})")
