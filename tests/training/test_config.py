@@ -34,7 +34,7 @@ def test_configure_routes_each_option_to_its_config():
 @pytest.mark.parametrize("bad, needle", [
     (dict(lr=0), "--lr"), (dict(batch_size=0), "--batch-size"), (dict(reset_prob=1.0), "--reset-prob"),
     (dict(optimizer="lion"), "--optimizer adam, adamw or sgd"), (dict(device="tpu"), "--device auto"),
-    (dict(precision="fp8"), "--precision auto"), (dict(cell="magic"), "--cell auto, fused or reference"),
+    (dict(precision="fp8"), "--precision auto"), (dict(cell="magic"), "--cell auto, fused, reference or plain"),
     (dict(cuda_graphs="yes"), "--cuda-graphs auto, on or off"), (dict(state="x"), "--state carry or reset"),
     (dict(max_steps=-1), "--max-steps"),
 ])
