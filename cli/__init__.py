@@ -6,6 +6,7 @@ library function and renders the result.
     zlm prepare SOURCE --out DATA_DIR    corpus -> tokenizer + train/valid/test.bin
     zlm train SOURCE [--out RUN_DIR]     train a zoneout LSTM, live BPC, checkpoints
     zlm eval RUN                         bits per character on a split or a file
+    zlm compress RUN FILE                code a file with the model (.zlmz); decompress
     zlm sample RUN                       generate text
     zlm info RUN                         what a run or checkpoint holds, without tensors
     zlm bench                            cell throughput against torch.nn.LSTM
@@ -27,11 +28,25 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
-from zlm.cli import bench, compare, evaluate, info, plot, prepare, recipe, sample, train  # noqa: E402
+from zlm.cli import (  # noqa: E402
+    bench,
+    compare,
+    compress,
+    decompress,
+    evaluate,
+    info,
+    plot,
+    prepare,
+    recipe,
+    sample,
+    train,
+)
 
 app.command("prepare")(prepare.command)
 app.command("train")(train.command)
 app.command("eval")(evaluate.command)
+app.command("compress")(compress.command)
+app.command("decompress")(decompress.command)
 app.command("sample")(sample.command)
 app.command("info")(info.command)
 app.command("bench")(bench.command)
