@@ -10,6 +10,7 @@ Format (version 1, little-endian):
     32 B    model id: SHA-256 of the model config, every tensor (name, dtype, shape,
             bytes) and the tokenizer file
     u64     original length in bytes      u64 symbols N      u32 streams S
+    u64     length of the coded data that follows the header
     8 B     SHA-256 of the original bytes (first 8 bytes)
     u8+str  precision ("fp32")            u8+str  kernel path (see `kernel_path`)
     --adapt: f64 lr, f64 decay, u32 segment
@@ -55,7 +56,7 @@ from zlm.inference.symbols import Alphabet
 
 MAGIC = b"ZLMZ"
 VERSION = 1
-_FIXED = struct.Struct("<4sBB32sQQI8s")  # magic .. text checksum
+_FIXED = struct.Struct("<4sBB32sQQIQ8s")  # magic .. text checksum
 _ADAPT = struct.Struct("<ddI")
 SUFFIX = ".zlmz"
 
@@ -91,6 +92,7 @@ class Header:
     length: int  # original bytes
     symbols: int
     streams: int
+    payload: int  # bytes of coded data after the header
     checksum: bytes  # first 8 bytes of SHA-256 of the original bytes
     precision: str
     kernel: str
@@ -99,7 +101,7 @@ class Header:
     def pack(self) -> bytes:
         flags = 1 if self.adapt else 0
         out = _FIXED.pack(MAGIC, VERSION, flags, self.model, self.length, self.symbols,
-                          self.streams, self.checksum)
+                          self.streams, self.payload, self.checksum)
         for s in (self.precision, self.kernel):
             b = s.encode("ascii")
             out += bytes((len(b),)) + b
@@ -117,7 +119,7 @@ class Header:
             raise CompressedFileError(f"{name} has format version {v}; this zlm reads version "
                                       f"{VERSION}: decompress it with the zlm that wrote it")
         try:
-            magic, _, flags, model, length, n, streams, checksum = _FIXED.unpack_from(data)
+            magic, _, flags, model, length, n, streams, payload, checksum = _FIXED.unpack_from(data)
             pos, strs = _FIXED.size, []
             for _ in range(2):
                 k = data[pos]
@@ -136,7 +138,7 @@ class Header:
             adapt = DynamicConfig(lr, decay, segment) if flags & 1 else None
         except ZlmError:
             raise CompressedFileError(f"{name} is damaged (impossible --adapt settings)") from None
-        return Header(model, length, n, streams, checksum, *strs, adapt), pos + 4
+        return Header(model, length, n, streams, payload, checksum, *strs, adapt), pos + 4
 
 
 @dataclass(frozen=True)
@@ -180,13 +182,14 @@ def compress_bytes(lm: LoadedModel, data: bytes, adapt: DynamicConfig | None = N
     alphabet = Alphabet(lm.tokenizer)
     sym, esc = alphabet.encode(data)
     layout = Layout.choose(len(sym), streams)
-    header = Header(model_id(lm), len(data), len(sym), layout.streams,
-                    hashlib.sha256(data).digest()[:8], lm.runtime.precision, kernel_path(), adapt)
     side = EncodeSide(sym, esc, layout, alphabet)
     with fixed_threads():
         bits = run_coder(lm.model, alphabet, layout, side, adapt, measure=True, progress=progress)
-    head = header.pack()
-    out = head + side.coder.finish()
+    payload = side.coder.finish()
+    head = Header(model_id(lm), len(data), len(sym), layout.streams, len(payload),
+                  hashlib.sha256(data).digest()[:8], lm.runtime.precision, kernel_path(),
+                  adapt).pack()
+    out = head + payload
     return out, CompressResult(len(data), len(out), len(head), _characters(data), len(sym),
                                layout.streams, time.perf_counter() - t0, bits, adapt)
 
@@ -209,12 +212,18 @@ def decompress_bytes(lm: LoadedModel, blob: bytes, name: str = "input",
     layout = Layout(header.symbols, header.streams)
     if header.symbols and not 1 <= header.streams <= header.symbols:
         raise CompressedFileError(f"{name} is damaged (impossible stream layout)")
+    if len(blob) - pos < header.payload:
+        raise CompressedFileError(f"{name} is truncated ({len(blob) - pos:,} of "
+                                  f"{header.payload:,} bytes of coded data)")
+    if len(blob) - pos > header.payload:
+        raise CompressedFileError(f"{name} is damaged ({len(blob) - pos - header.payload:,} "
+                                  "bytes after the coded data)")
     side = DecodeSide(blob[pos:], layout, alphabet)
     with fixed_threads():
         run_coder(lm.model, alphabet, layout, side, header.adapt, progress=progress)
     data = alphabet.decode(layout.flatten(side.sym), layout.flatten(side.esc))
     if side.coder.overrun:
-        raise CompressedFileError(f"{name} is truncated (the coded data ends early)")
+        raise CompressedFileError(f"{name} is damaged (the coded data ends early)")
     if len(data) != header.length or hashlib.sha256(data).digest()[:8] != header.checksum:
         raise CompressedFileError(f"{name} is damaged (the decoded text fails its checksum)")
     return data, CompressResult(len(data), len(blob), pos, _characters(data), header.symbols,
