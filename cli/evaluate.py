@@ -31,8 +31,10 @@ def command(
     file: Annotated[Path | None, typer.Option(
         "--file", help="Score this UTF-8 text file instead of a split.",
         show_default=False)] = None,
-    batch_size: Annotated[int, typer.Option(
-        help="Parallel streams the text is cut into (each starts from a zero state).")] = 16,
+    batch_size: Annotated[int | None, typer.Option(
+        help="Parallel streams the text is cut into (each starts from a zero state) "
+             "[default: 16; 1 with --dynamic, as Krause et al.: one stream adapts to all "
+             "the text before it].", show_default=False)] = None,
     bptt: Annotated[int, typer.Option(
         help="Window length in tokens; the state is carried across windows.")] = 256,
     device: Annotated[str, typer.Option(help="auto | cpu | cuda.")] = "auto",
@@ -57,7 +59,7 @@ def command(
         raise UsageError("pass --split or --file, not both")
     dyn = DynamicConfig(dynamic_lr, dynamic_decay, segment) if dynamic else None
     config = EvalConfig(split=None if file is not None else (split or "valid"), file=file,
-                        streams=batch_size, bptt=bptt, unknown=unknown, device=device,
+                        streams=batch_size or (1 if dynamic else 16), bptt=bptt, unknown=unknown, device=device,
                         dynamic=dyn)
     result = evaluate(run, config)
     if as_json:

@@ -101,6 +101,9 @@ def test_cli_eval_dynamic_json_and_table(run):
     digest = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in (run / "best").iterdir()}
     res = runner.invoke(app, ["eval", str(run), "--dynamic", "--segment", "50", "--json"])
     assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["protocol"].startswith("1 parallel streams")
+    res = runner.invoke(app, ["eval", str(run), "--dynamic", "--segment", "50", "--batch-size", "4", "--json"])
+    assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
     assert out["static_bpc"] > 0 and out["bpc"] > 0 and out["dynamic"]["segment"] == 50
     assert "dynamic evaluation" in out["protocol"]
