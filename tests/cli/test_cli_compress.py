@@ -1,8 +1,12 @@
-"""`zlm compress` / `zlm decompress` in-process: round trip, JSON, one-line refusals."""
+"""`zlm compress` / `zlm decompress` and `zlm eval --dynamic` in-process, on a tiny trained run."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -38,7 +42,7 @@ def invoke(*args):
 
 def test_roundtrip_and_json(runs, tmp_path):
     src = tmp_path / "in.txt"
-    src.write_bytes(shakespeare_text(3000).encode() + "\u00e9\U0001F600\xff".encode("utf-8", "surrogateescape"))
+    src.write_bytes(shakespeare_text(1200).encode() + "\u00e9\U0001F600\xff".encode("utf-8", "surrogateescape"))
     res = invoke("compress", runs[0], src, "--json")
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
@@ -51,10 +55,10 @@ def test_roundtrip_and_json(runs, tmp_path):
     assert res.exit_code == 0, res.output
     assert "bits per byte" in res.stdout and "KB/s" in res.stdout
     assert (tmp_path / "back.txt").read_bytes() == src.read_bytes()
-    res = invoke("compress", runs[0], src, "--adapt", "--segment", "16", "-o", tmp_path / "a.zlmz")
+    res = invoke("compress", runs[0], src, "--adapt", "--segment", "40", "-o", tmp_path / "a.zlmz")
     assert res.exit_code == 0, res.output
     res = invoke("decompress", runs[0], tmp_path / "a.zlmz", "-o", tmp_path / "a.txt", "--json")
-    assert res.exit_code == 0 and json.loads(res.stdout)["adapt"]["segment"] == 16
+    assert res.exit_code == 0 and json.loads(res.stdout)["adapt"]["segment"] == 40
     assert (tmp_path / "a.txt").read_bytes() == src.read_bytes()
 
 
@@ -89,3 +93,38 @@ def test_usage_errors(runs, tmp_path):
     assert invoke("compress", runs[0], src, "--force").exit_code == 0
     res = invoke("compress", runs[0], src, "-f", "--streams", "0")
     assert res.exit_code == 2 and "--streams" in res.output
+
+
+@pytest.mark.slow
+def test_decodes_in_another_process_with_other_thread_settings(runs, tmp_path):
+    """The coder fixes its own thread count: a file compressed by a separate process whose
+    torch defaults to 2 threads decodes here, bit for bit."""
+    src = tmp_path / "in.txt"
+    src.write_bytes(shakespeare_text(4000).encode())
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "NO_COLOR": "1"}
+    done = subprocess.run([sys.executable, "-m", "zlm", "compress", str(runs[0]), str(src), "--adapt",
+                           "--segment", "32", "-o", str(tmp_path / "p.zlmz")],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    res = invoke("decompress", runs[0], tmp_path / "p.zlmz", "-o", tmp_path / "p.txt")
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "p.txt").read_bytes() == src.read_bytes()
+
+
+def test_eval_dynamic_json_and_table(runs):
+    run = runs[0]
+    digest = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in (run / "best").iterdir()}
+    res = runner.invoke(app, ["eval", str(run), "--dynamic", "--segment", "50", "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["protocol"].startswith("1 parallel streams")
+    res = runner.invoke(app, ["eval", str(run), "--dynamic", "--segment", "50", "--batch-size", "4", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert out["static_bpc"] > 0 and out["bpc"] > 0 and out["dynamic"]["segment"] == 50
+    assert "dynamic evaluation" in out["protocol"]
+    res = runner.invoke(app, ["eval", str(run), "--dynamic", "--split", "test"])
+    assert res.exit_code == 0 and "static BPC" in res.stdout and "(dynamic)" in res.stdout
+    res = runner.invoke(app, ["eval", str(run), "--dynamic", "--segment", "0"])
+    assert res.exit_code == 2 and "--segment" in res.output
+    after = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in (run / "best").iterdir()}
+    assert after == digest
