@@ -83,7 +83,7 @@ class ByteProgress:
         self.label, self.total, self.every = label, total_bytes, every
         self.stream = stream or sys.stderr
         self.t0 = self.last = 0.0
-        self.done = 0.0
+        self.done = self.printed = 0.0
 
     def __enter__(self) -> ByteProgress:
         self.t0 = self.last = time.perf_counter()
@@ -97,11 +97,12 @@ class ByteProgress:
             self._line(now)
 
     def _line(self, now: float) -> None:
+        self.printed = self.done
         done = self.done * self.total
         rate = done / 1000 / max(now - self.t0, 1e-9)
         print(f"{self.label}: {self.done:4.0%} {done / 1000:,.1f} of {self.total / 1000:,.1f} KB "
               f"at {rate:,.1f} KB/s", file=self.stream, flush=True)
 
     def __exit__(self, *exc) -> None:
-        if exc[0] is None and self.total and time.perf_counter() - self.t0 >= self.every:
+        if exc[0] is None and self.total and self.last > self.t0 and self.printed < 1:
             self._line(time.perf_counter())
