@@ -22,7 +22,8 @@ def command(
     hidden: Annotated[int, typer.Option(help="LSTM units.")] = 512,
     batch_size: Annotated[int, typer.Option(help="Parallel streams per window.")] = 32,
     bptt: Annotated[int, typer.Option(help="Timesteps per window.")] = 100,
-    vocab: Annotated[int, typer.Option(help="Vocabulary size of the character LM.")] = 128,
+    vocab: Annotated[int, typer.Option(help="Vocabulary size of the character LM.")] = 65,
+    embed: Annotated[int, typer.Option(help="Embedding width fed to the LSTM.")] = 64,
     device: Annotated[str, typer.Option(help="cpu | cuda.")] = "cpu",
     repeats: Annotated[int, typer.Option(help="Timed rounds per size (the median is shown).")] = 5,
     warmup: Annotated[int, typer.Option(help="Untimed calls per implementation first.")] = 2,
@@ -33,12 +34,13 @@ def command(
         "--sample", help="Also time batch-1 sampling (one character per call) at --hidden.")] = False,
     sample_chars: Annotated[int, typer.Option(help="Characters per timed sampling round.")] = 300,
     precision: Annotated[str, typer.Option(
-        help="fp32, bf16 or fp16 autocast (CUDA), or a list: fp32,bf16.")] = "fp32",
+        help="auto, fp32, bf16, or fp16 (CUDA) autocast, or a list: fp32,bf16. "
+             "bf16 rows compare with nn.LSTM under plain torch.autocast.")] = "fp32",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Characters/s of nn.LSTM, the reference and the fused cell: training and inference."""
     precisions = tuple(p.strip() for p in precision.split(",") if p.strip()) or ("fp32",)
-    configs = [BenchConfig(hidden=hidden, batch_size=batch_size, bptt=bptt, vocab=vocab, device=device,
+    configs = [BenchConfig(hidden=hidden, batch_size=batch_size, bptt=bptt, vocab=vocab, embed=embed, device=device,
                            repeats=repeats, warmup=warmup, sample_chars=sample_chars, precision=p)
                for p in precisions]  # each checked before anything runs
     config = configs[0]
@@ -77,7 +79,12 @@ def _cell(by: dict[str, dict], impl: str, key: str, fmt: str) -> str:
 def _render(result: dict, rich: bool) -> None:
     head = (f"device {result['device']}, {result['threads']} threads, torch {result['torch']}; "
             f"fused = {result['fused_cell']}")
-    note = "x = time per character relative to nn.LSTM in this run (lower is faster)"
+    note = ("x = time per character relative to nn.LSTM in this run (lower is faster); "
+            "model = whole training step (embedding, LSTM, decoder, loss, backward, clip, Adam)")
+    shares = [f"{r.get('precision', 'fp32')} B={r['batch_size']} H={r['hidden']} {r['mask_draw_share']:.1%}"
+              for r in result["rows"] if "mask_draw_share" in r]
+    if shares:
+        note += "\nzoneout mask draw, share of the fused model step: " + ", ".join(shares)
     if result.get("load_warning"):
         note += f"\n{result['load_warning']}"
     impls = _impls(result["rows"])

@@ -1,4 +1,9 @@
-"""`zlm compress RUN FILE [-o OUT]`: code a file with the model's predictions (.zlmz)."""
+"""`zlm compress RUN FILE [-o OUT]` and `zlm decompress RUN FILE.zlmz [-o OUT]`.
+
+The two halves of one codec (like gzip and gunzip), so one module: `command` codes a
+file with the model's predictions into .zlmz, `decompress` restores it (refusing another
+model, a damaged or a truncated file).
+"""
 
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ from zlm.cli.errors import handle_errors
 from zlm.cli.render import print_pairs, use_rich
 from zlm.core.progress import make_byte_progress
 from zlm.errors import UsageError
-from zlm.inference.compress import CompressResult, compress_file
+from zlm.inference.compress import CompressResult, compress_file, decompress_file
 from zlm.inference.dynamic import DEFAULT_DECAY, DEFAULT_LR, DEFAULT_SEGMENT, DynamicConfig
 
 
@@ -44,6 +49,23 @@ def command(
         raise UsageError(f"--streams must be >= 1, got {streams}")
     path, result = compress_file(run, file, out, dyn, streams, force, make_byte_progress)
     render(path, result, as_json, "compressed")
+
+
+@handle_errors
+def decompress(
+    run: Annotated[Path, typer.Argument(
+        help="The RUN_DIR or checkpoint the file was compressed with.",
+        metavar="RUN_OR_CHECKPOINT", show_default=False)],
+    file: Annotated[Path, typer.Argument(help="A .zlmz file.", show_default=False)],
+    out: Annotated[Path | None, typer.Option(
+        "--out", "-o", help="Output path [default: FILE without .zlmz].",
+        show_default=False)] = None,
+    force: Annotated[bool, typer.Option("--force", "-f", help="Overwrite OUT.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Decompress FILE.zlmz; refuses another model, a damaged or a truncated file."""
+    path, result = decompress_file(run, file, out, force, make_byte_progress)
+    render(path, result, as_json, "decompressed")
 
 
 def rows(path: Path, r: CompressResult, verb: str) -> list[tuple[str, str]]:

@@ -1,4 +1,4 @@
-"""`zlm eval RUN_OR_CHECKPOINT`: parse options, call `zlm.evaluate.evaluate`, render.
+"""`zlm eval RUN_OR_CHECKPOINT`: parse options, call `zlm.inference.evaluate.evaluate`, render.
 
 Prints BPC (bits per character of the original text), bits per byte where it differs,
 perplexity per token and per character, token and character counts, speed, and the

@@ -51,8 +51,9 @@ def command(
     test: Annotated[pathlib.Path | None, typer.Option(
         help="Test file (with --valid, instead of --split).", show_default=False)] = None,
     unknown: Annotated[str | None, typer.Option(
-        help="Characters of valid/test missing from train: error | replace (U+FFFD). "
-             "Default error (stdlib: replace).", show_default=False)] = None,
+        help="Characters of valid/test missing from train: error | replace (U+FFFD) | include "
+             "(vocabulary from the whole corpus). Default error (stdlib: replace).",
+        show_default=False)] = None,
     format: Annotated[str, typer.Option(
         "--format", help="Source format for files: text | ptb-char (Mikolov's PTB "
                          "character files).")] = "text",

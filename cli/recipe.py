@@ -2,9 +2,10 @@
 
     zlm recipe zoneout-ablation   the same LSTM x 4: no zoneout, z_h only, z_c only, both
     zlm recipe equal-budget       cpu-small for 10 minutes next to published CPU baselines
+    zlm recipe corpora-benchmark  zlm's defaults vs a plain LSTM on every benchmark corpus
 
-Both write OUT/results.json, OUT/results.md and OUT/curves.png, and continue where they
-stopped when the same command is run again.
+All write OUT/results.json, OUT/results.md and curves, and continue where they stopped
+when the same command is run again.
 """
 
 from __future__ import annotations
@@ -18,18 +19,32 @@ import typer
 
 from zlm.cli.errors import handle_errors
 from zlm.cli.render import use_rich
+from zlm.errors import UsageError
+from zlm.tools import corpora_benchmark as cb
 from zlm.tools.recipes import RecipeConfig, RecipeResult, run_recipe
 
 H_MODEL, H_BUDGET = "Model and training (default: the recipe's)", "Budget"
+H_BENCH = "corpora-benchmark"
 
 
 @handle_errors
 def command(
     name: Annotated[str, typer.Argument(
-        help="zoneout-ablation | equal-budget.", metavar="NAME", show_default=False)],
-    corpus: Annotated[str, typer.Option(
+        help="zoneout-ablation | equal-budget | corpora-benchmark.", metavar="NAME",
+        show_default=False)],
+    corpus: Annotated[str | None, typer.Option(
         help="A text file or corpus name, prepared once into OUT/data (char, 90/5/5), e.g. "
-             "../shared/corpora/tinyshakespeare/input.txt.")] = "tinyshakespeare",
+             "../shared/corpora/tinyshakespeare/input.txt (default: tinyshakespeare).",
+        show_default=False)] = None,
+    corpora: Annotated[Path | None, typer.Option(
+        help="OUT_DIR of scripts/fetch-corpora (default: $ZLM_BENCH_CORPORA, else "
+             "runs/corpora).", rich_help_panel=H_BENCH, show_default=False)] = None,
+    only: Annotated[str | None, typer.Option(
+        help="Comma-separated benchmark corpora to run (default: all of corpora/benchmark.json).",
+        rich_help_panel=H_BENCH, show_default=False)] = None,
+    seeds: Annotated[str | None, typer.Option(
+        help="Seeds, one run per setting each (default: 1,2).", rich_help_panel=H_BENCH,
+        show_default=False)] = None,
     out: Annotated[Path | None, typer.Option(
         "--out", "-o", help="Output directory (default: runs/NAME).", show_default=False)] = None,
     mirror: Annotated[Path | None, typer.Option(
@@ -37,7 +52,7 @@ def command(
         show_default=False)] = None,
     minutes: Annotated[float | None, typer.Option(
         help="Training time per run (default: 11 for zoneout-ablation: its first run, the "
-             "others then train for as many steps; 10 for equal-budget).",
+             "others then train for as many steps; 10 for equal-budget and corpora-benchmark).",
         rich_help_panel=H_BUDGET, show_default=False)] = None,
     max_steps: Annotated[int | None, typer.Option(
         help="A fixed number of steps per run instead of --minutes.",
@@ -75,17 +90,39 @@ def command(
     from zlm.core.progress import make_reporter
     from zlm.core.report import PlainReporter
 
-    config = RecipeConfig(corpus=corpus, out=out, mirror=mirror, minutes=minutes,
-                          max_steps=max_steps, hidden=hidden, layers=layers, embed=embed,
-                          batch_size=batch_size, bptt=bptt, lr=lr, eval_every=eval_every,
-                          log_every=log_every, seed=seed, device=device)
+    sizes = dict(hidden=hidden, layers=layers, embed=embed, batch_size=batch_size, bptt=bptt,
+                 eval_every=eval_every, log_every=log_every, device=device)
     # With --json, stdout carries only the JSON: training progress goes to stderr.
     reporter = (lambda: PlainReporter(sys.stderr)) if as_json else make_reporter
-    result = run_recipe(name, config, reporter)
+    result = _run(name, reporter, sizes, corpus=corpus, corpora=corpora, only=only, seeds=seeds,
+                  out=out, mirror=mirror, minutes=minutes, max_steps=max_steps, lr=lr, seed=seed)
     if as_json:
         typer.echo(json.dumps(result.to_dict()))
     else:
         render(result, use_rich())
+
+
+def _run(name: str, reporter, sizes: dict, *, corpus, corpora, only, seeds, out, mirror,
+         minutes, max_steps, lr, seed) -> RecipeResult:
+    """Build the recipe's config from the options that apply to it, and run it."""
+    if name == cb.NAME:
+        _refuse(name, corpus=corpus, lr=lr, seed=seed)
+        config = cb.BenchmarkConfig(
+            corpora=corpora, only=only, out=out, mirror=mirror, max_steps=max_steps,
+            minutes=cb.DEFAULT_MINUTES if minutes is None else minutes,
+            seeds=cb.DEFAULT_SEEDS if seeds is None else cb.parse_seeds(seeds),
+            sizes={k: v for k, v in sizes.items() if v is not None})
+        return cb.corpora_benchmark(config, reporter)
+    _refuse(name, corpora=corpora, only=only, seeds=seeds)
+    config = RecipeConfig(corpus=corpus or "tinyshakespeare", out=out, mirror=mirror,
+                          minutes=minutes, max_steps=max_steps, lr=lr, seed=seed, **sizes)
+    return run_recipe(name, config, reporter)
+
+
+def _refuse(name: str, **given) -> None:
+    for option, value in given.items():
+        if value is not None:
+            raise UsageError(f"--{option.replace('_', '-')} does not apply to zlm recipe {name}")
 
 
 def render(result: RecipeResult, rich: bool) -> None:

@@ -1,6 +1,7 @@
-"""`zlm sample RUN_OR_CHECKPOINT`: parse options, call `zlm.sample.sample_checkpoint`, render.
+"""`zlm sample RUN_OR_CHECKPOINT`: parse options, call `zlm.inference.sample.sample_checkpoint`, render.
 
-One sample streams to stdout as it is generated (flushed every token). Several samples
+The prime is `--prime TEXT`, `--prime -` (standard input) or `--prime-file FILE`. One
+sample streams to stdout as it is generated (flushed every token). Several samples
 are generated together as one batch and each is printed, under a `--- sample i/N ---`
 line, when the batch is done. `--json` prints one JSON line per sample with its text and
 average log-likelihood.
@@ -15,6 +16,8 @@ from typing import Annotated
 import typer
 
 from zlm.cli.errors import handle_errors
+from zlm.cli.textinput import read_text
+from zlm.errors import UsageError
 from zlm.inference.sample import SampleConfig, sample_checkpoint
 
 
@@ -23,7 +26,14 @@ def command(
     run: Annotated[Path, typer.Argument(
         help="A RUN_DIR (its best/, else its latest complete checkpoint) or a checkpoint "
              "directory.", metavar="RUN_OR_CHECKPOINT", show_default=False)],
-    prime: Annotated[str, typer.Option(help="Text to continue (printed first).")] = "",
+    prime: Annotated[str, typer.Option(
+        help="Text to continue (printed first); - reads it from standard input.")] = "",
+    prime_file: Annotated[Path | None, typer.Option(
+        "--prime-file", help="Continue the text of this UTF-8 file.", metavar="FILE",
+        show_default=False)] = None,
+    unknown: Annotated[str, typer.Option(
+        help="Prime characters outside a char vocabulary: error | replace (U+FFFD, if the "
+             "vocabulary has it).")] = "error",
     length: Annotated[int, typer.Option(
         help="Tokens to generate (characters for a char model).")] = 500,
     temperature: Annotated[float, typer.Option(help="Softmax temperature; 0 = greedy.")] = 1.0,
@@ -38,14 +48,18 @@ def command(
     num_samples: Annotated[int, typer.Option(
         help="Samples generated together as one batch.")] = 1,
     device: Annotated[str, typer.Option(help="auto | cpu | cuda.")] = "auto",
+    precision: Annotated[str, typer.Option(
+        help="auto | fp32 | bf16: auto uses bf16 weights in the step on CPUs with native bf16.")] = "auto",
     as_json: Annotated[bool, typer.Option(
         "--json", help="One JSON line per sample: text, log-likelihood.")] = False,
 ) -> None:
     """Generate text, streaming it to stdout as it is produced."""
+    prime, flag = _prime(prime, prime_file)
     config = SampleConfig(length=length, prime=prime, temperature=temperature, top_k=top_k,
-                          top_p=top_p, seed=seed, num_samples=num_samples)
+                          top_p=top_p, seed=seed, num_samples=num_samples, unknown=unknown,
+                          prime_flag=flag)
     stream = None if as_json or num_samples > 1 else _echo
-    samples = sample_checkpoint(run, config, device, stream)
+    samples = sample_checkpoint(run, config, device, stream, precision)
     if as_json:  # each line carries its seed
         for i, s in enumerate(samples):
             typer.echo(json.dumps({"index": i, **s.to_dict()}))
@@ -58,6 +72,17 @@ def command(
             typer.echo(s.prime + s.text)
     if seed is None:
         typer.echo(f"(seed {samples[0].seed}; pass --seed {samples[0].seed} to repeat)", err=True)
+
+
+def _prime(prime: str, prime_file: Path | None) -> tuple[str, str]:
+    """The prime text and how it was given: --prime TEXT, --prime - (stdin), --prime-file FILE."""
+    if prime_file is not None:
+        if prime:
+            raise UsageError("pass --prime or --prime-file, not both")
+        return read_text(str(prime_file), "--prime-file"), f"--prime-file {prime_file}"
+    if prime == "-":
+        return read_text("-", "--prime"), "--prime - (standard input)"
+    return prime, "--prime"
 
 
 def _echo(piece: str) -> None:

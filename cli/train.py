@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from zlm.cli.errors import handle_errors
+from zlm.core.progress import make_reporter
+from zlm.inference.api import load
+from zlm.training.config import parse_duration
+from zlm.training.distributed import rank_from_env
+from zlm.training.runner import TrainRequest, run_training
 
 H_MODEL, H_TRAIN, H_RUN = "Model", "Training", "Run"
 
@@ -49,20 +55,27 @@ def command(
     zero: Annotated[bool, typer.Option(help="Shard optimizer state across processes (ZeRO stage 1).", rich_help_panel=H_RUN)] = False,
     sample: Annotated[int, typer.Option(help="Print a sample of N characters from the best model at the end.", rich_help_panel=H_RUN)] = 0,
     mirror: Annotated[Path | None, typer.Option(help="Local copy of named corpora.", rich_help_panel=H_RUN)] = None,
+    unknown: Annotated[str | None, typer.Option(help="A raw SOURCE's characters missing from its train split: include (vocabulary from the whole text; default for files) | replace (U+FFFD) | error.", rich_help_panel=H_RUN)] = None,
 ) -> None:
     """Train a zoneout LSTM language model on SOURCE; live BPC; safetensors checkpoints."""
-    from zlm.training.runner import TrainRequest, run_training
+    options = dict(locals())  # the signature is the interface: every config option, None = not given
+    for name in _NOT_CONFIG:
+        options.pop(name)
+    options["zero"] = zero or None
+    if time_budget is not None:
+        options["time_budget"] = parse_duration(time_budget)
+    rep = make_reporter()
+    req = TrainRequest(source=source, out=out, resume=resume, preset=preset, options=options,
+                       nproc=nproc, mirror=mirror, unknown=unknown)
+    outcome = run_training(req, rep)
+    if outcome.interrupted:
+        step = outcome.summary.get("step")
+        where = f" at step {step}" if step is not None else ""
+        again = f"zlm train {source} --out {outcome.run_dir}" + (f" --nproc {nproc}" if nproc else "") + " --resume"
+        rep.message(f"interrupted{where}: checkpoint saved; continue with {again}")
+        raise typer.Exit(128 + int(getattr(signal, outcome.interrupted)))
+    if sample > 0 and rank_from_env() == 0:
+        rep.message("sample:\n" + load(outcome.run_dir).sample(length=sample, temperature=0.8, seed=0))
 
-    overrides = dict(
-        hidden=hidden, layers=layers, embed=embed, zoneout_cell=zoneout_cell,
-        zoneout_hidden=zoneout_hidden, dropout=dropout, cell=cell, batch_size=batch_size, bptt=bptt,
-        lr=lr, optimizer=optimizer, weight_decay=weight_decay, clip=clip, schedule=schedule,
-        warmup=warmup, epochs=epochs, max_steps=max_steps, eval_every=eval_every, state=state, reset_prob=reset_prob,
-        seed=seed, device=device, precision=precision, cuda_graphs=cuda_graphs, keep_last=keep_last, log_every=log_every,
-        zero=zero or None,
-    )
-    req = TrainRequest(source=source, out=out, resume=resume, preset=preset, overrides=overrides,
-                       time_budget=time_budget, nproc=nproc, sample_chars=sample, mirror=mirror)
-    code = run_training(req)
-    if code:
-        raise typer.Exit(code)
+
+_NOT_CONFIG = ("source", "out", "resume", "preset", "nproc", "sample", "mirror", "unknown")

@@ -57,6 +57,7 @@ def test_wheel_contents(tmp_path):
     assert "zlm/cli/__init__.py" in names
     assert "zlm/model/cells/__init__.py" in names
     assert "zlm/corpora/catalog.json" in names
+    assert "zlm/model/cells/cpu_kernels.cpp" in names  # the C++ step compiles from it
     assert not any(n.startswith("cli/") for n in names)
 
 

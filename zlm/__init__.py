@@ -1,7 +1,8 @@
 """zlm: character-level language modelling with zoneout LSTMs.
 
 The library is generic and has no command-line dependencies: the Typer app lives in
-`zlm.cli` (the repository's `cli/` folder) and the rich renderer in `zlm.progress`.
+`zlm.cli` (the repository's `cli/` folder) and the rich renderer in `zlm.core.progress`.
+The layers, lowest first: data, model, core, training | inference, tools (see README).
 """
 
 from zlm.version import __version__

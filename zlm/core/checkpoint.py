@@ -5,9 +5,9 @@ Layout of one checkpoint directory (SPEC.md section 3):
     model.safetensors       the model's parameters (same keys for every cell)
     optimizer.safetensors   every optimizer tensor, flattened as state.<param>.<name>;
                             param_groups and scalars in the header metadata
-    state.safetensors       carried hidden state h, c: (L, B_total, H) and any other
-                            trainer tensors (e.g. a GradScaler's scale)
-    trainer.json            step, epoch, stream positions, RNG states, best BPC, ...
+    state.safetensors       carried hidden state h, c: (L, B_total, H) of all streams
+    trainer.json            step, epoch, stream positions, schedule, GradScaler state (its
+                            scale and growth tracker), RNG states, best BPC, ...
     config.json             resolved model/data/train config
     dataset.json + tokenizer.json|tokenizer.model   so the checkpoint loads on its own
     checkpoint.json         the manifest, written LAST: file names, sizes, SHA-256
@@ -321,3 +321,25 @@ def check_weights(own: dict, tensors: dict, path) -> None:
                 f"{path}: tensor {k} is {v.dtype} {tuple(v.shape)} but the config implies "
                 f"{own[k].dtype} {tuple(own[k].shape)}; the checkpoint and its config.json disagree"
             )
+
+
+def read_json(path: Path, what: str) -> dict:
+    """A JSON object from a checkpoint file, or a one-line CheckpointError."""
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is unreadable ({e.__class__.__name__}); the {what} is "
+                              "damaged: use another checkpoint") from None
+    if not isinstance(doc, dict):
+        raise CheckpointError(f"{path} is not a JSON object; the {what} is damaged: use "
+                              "another checkpoint")
+    return doc
+
+
+def read_json_or_none(path: Path) -> dict | None:
+    """A JSON object from a run's file, or None when it is missing or damaged (for tools
+    that list runs and skip what they cannot read)."""
+    try:
+        return read_json(path, "file")
+    except CheckpointError:
+        return None

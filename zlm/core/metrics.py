@@ -45,10 +45,6 @@ class Score:
         return math.exp(min(self.nats / max(self.characters, 1), 700.0))
 
 
-def bits(nats_per_unit: float) -> float:
-    return nats_per_unit / LN2
-
-
 class MetricsLog:
     """Appends one JSON object per event to RUN_DIR/metrics.jsonl (flushed each line)."""
 

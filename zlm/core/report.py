@@ -1,7 +1,8 @@
 """What the trainer tells the outside world while it runs, without knowing how it is shown.
 
 `Reporter` is the interface (all methods optional no-ops); `PlainReporter` prints plain
-lines. `ByteProgress` reports progress through a file (KB/s) for compress/decompress. The rich live display lives in `zlm.progress`, the only library module that
+lines. `ByteProgress` reports progress through a file (KB/s) for compress/decompress.
+The rich live display lives in `zlm.core.progress`, the only library module that
 imports rich.
 """
 

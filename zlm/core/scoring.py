@@ -34,6 +34,7 @@ import torch
 
 from zlm.core.metrics import Score
 from zlm.core.precision import Runtime
+from zlm.data.streams import read_window
 from zlm.errors import UsageError
 from zlm.model.lm import ZoneoutLM, token_nll
 
@@ -78,8 +79,7 @@ def _windows(tokens: np.ndarray, starts: np.ndarray, length: int, bptt: int, dev
     """
     for s in range(0, length, bptt):
         T = min(bptt, length - s)
-        idx = starts[None, :] + s + np.arange(T + 1)[:, None]  # (T+1, B)
-        window = torch.from_numpy(np.asarray(tokens[idx], dtype=np.int64)).to(dev)
+        window = read_window(tokens, starts, s, T).to(dev)  # (T+1, B)
         yield window[:-1], window[1:]
 
 

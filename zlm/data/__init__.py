@@ -2,5 +2,6 @@
 
 Owns reading text (textio), tokenizers, the corpus catalog, `zlm prepare` (prepare, passes),
 opening a prepared DATA_DIR (dataset) and cutting it into training streams (streams).
-May import: zlm.errors, zlm.version. Nothing here imports torch.
+May import: zlm.errors, zlm.version. Only streams (batches as tensors) imports torch;
+preparing a corpus does not need it.
 """

@@ -1,6 +1,6 @@
 """The read side of a prepared DATA_DIR: metadata, tokenizer and memory-mapped splits.
 
-A DATA_DIR, as `zlm.prepare` writes it:
+A DATA_DIR, as `zlm.data.prepare` writes it:
 
     dataset.json     {"format": "zlm-dataset", "version": 1, "zlm_version",
                       "tokenizer": {"kind", "vocab_size", "file"},

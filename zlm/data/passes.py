@@ -1,4 +1,4 @@
-"""The two streaming passes over a corpus that `zlm.prepare` makes, in bounded memory.
+"""The two streaming passes over a corpus that `zlm.data.prepare` makes, in bounded memory.
 
 Owns how the source is seen as one stream of pieces (str chunks, or bytes for the byte
 tokenizer), how positions are counted in the dataset's unit (characters, or bytes for

@@ -43,6 +43,7 @@ from zlm.errors import DataError, UsageError
 from zlm.version import __version__
 
 DEFAULT_SPLIT = (0.9, 0.05, 0.05)
+VOCAB_POLICIES = (*UNKNOWN_POLICIES, "include")  # --unknown
 
 _DATA_FILES = {"dataset.json", "tokenizer.json", "tokenizer.model", "train.bin",
                "valid.bin", "test.bin"}
@@ -59,9 +60,11 @@ class PrepareConfig:
     split: train/valid/test fractions by characters, contiguous; None = the corpus's
         convention, else (0.9, 0.05, 0.05).
     valid, test: explicit files (or lists/directories) instead of a split; both or none.
-    unknown: "error" | "replace": characters of valid/test not seen in train; None = the
-        corpus's convention (replace for stdlib, whose docstrings hold rare symbols),
-        else error.
+    unknown: what to do with characters of valid/test not seen in train: "error" (name
+        the first), "replace" (map them to U+FFFD, one vocabulary entry), "include" (the
+        vocabulary is every character of the whole corpus, as char-rnn and nanoGPT
+        build it; `zlm train FILE` uses this). None = the corpus's convention (replace
+        for stdlib, whose docstrings hold rare symbols), else error.
     mirror: local copy of named corpora (DIR/<name>/<file>); None = $ZLM_CORPORA.
     format: "text" | "ptb-char" for file sources (named corpora carry their own).
     max_source_bytes: read source files only until their total size reaches this
@@ -88,8 +91,8 @@ class PrepareConfig:
             raise UsageError("--vocab-size applies to --tokenizer bpe or unigram only")
         if self.vocab_size is not None and self.vocab_size < 2:
             raise UsageError(f"--vocab-size {self.vocab_size} is too small; pass e.g. 1024")
-        if self.unknown is not None and self.unknown not in UNKNOWN_POLICIES:
-            raise UsageError(f"--unknown {self.unknown} is not a policy; use error or replace")
+        if self.unknown is not None and self.unknown not in VOCAB_POLICIES:
+            raise UsageError(f"--unknown {self.unknown} is not a policy; use error, replace or include")
         if self.format not in textio.FORMATS:
             raise UsageError(f"--format {self.format} is not a format; use one of "
                              f"{', '.join(textio.FORMATS)}")
@@ -129,7 +132,7 @@ def prepare(source, out, config: PrepareConfig = PrepareConfig(),
     tmp.mkdir()  # (not mkdtemp: the DATA_DIR should get the usual umask permissions)
     try:
         dtype = token_dtype(tok.vocab_size)
-        counts = stream.write(tok, dtype, bounds, tmp, plan.unknown)
+        counts = stream.write(tok, dtype, bounds, tmp, _encode_policy(plan.unknown))
         tok.save(tmp)
         meta = {
             "format": "zlm-dataset", "version": 1, "zlm_version": __version__,
@@ -239,7 +242,8 @@ def _boundaries(plan: Plan, part_units: list[int]) -> list[int]:
 def _build_tokenizer(plan: Plan, config: PrepareConfig, scan: Scan, bounds) -> Tokenizer:
     if plan.kind == "char":
         first = scan.first_pos
-        in_train = np.flatnonzero(first < bounds[1])
+        known = bounds[3] if plan.unknown == "include" else bounds[1]
+        in_train = np.flatnonzero(first < known)  # code points in the vocabulary
         if plan.unknown == "error":
             late = (first >= bounds[1]) & (first < bounds[3])
             if late.any():
@@ -249,9 +253,15 @@ def _build_tokenizer(plan: Plan, config: PrepareConfig, scan: Scan, bounds) -> T
                 raise DataError(
                     f"character {chr(cp)!r} (U+{cp:04X}) at character {pos - bounds[s]:,} of "
                     f"the {SPLITS[s]} split never occurs in the train split; pass "
-                    "--unknown replace to map such characters to U+FFFD"
+                    "--unknown replace to map such characters to U+FFFD, or --unknown include "
+                    "to build the vocabulary from the whole corpus"
                 )
         chars = [chr(c) for c in in_train.tolist()]
         return CharTokenizer(chars + (["\ufffd"] if plan.unknown == "replace" else []))
     sample = scan.sample[:bounds[1]]
-    return train_tokenizer(plan.kind, sample, config.vocab_size, plan.unknown)
+    return train_tokenizer(plan.kind, sample, config.vocab_size, _encode_policy(plan.unknown))
+
+
+def _encode_policy(unknown: str) -> str:
+    """The tokenizer's policy: with "include" every character is in the vocabulary."""
+    return "error" if unknown == "include" else unknown

@@ -28,7 +28,14 @@ class Batch:
     inputs: torch.Tensor  # (T, B) int64
     targets: torch.Tensor  # (T, B) int64
     reset: bool  # the hidden state must start from zero for this batch
-    epoch: int  # epoch this batch belongs to
+
+
+def read_window(tokens: np.ndarray, starts: np.ndarray, offset: int, length: int) -> torch.Tensor:
+    """Tokens offset .. offset+length (inclusive) of every stream starting at `starts` (B,):
+    (length + 1, B) int64, inputs [:-1] and targets [1:]. Reads only those tokens, so a
+    memory-mapped split is never loaded whole (training and evaluation both read this way)."""
+    idx = starts[None, :] + offset + np.arange(length + 1)[:, None]  # (T+1, B)
+    return torch.from_numpy(np.asarray(tokens[idx], dtype=np.int64))
 
 
 def _check_size(n_tokens: int, need: int, what: str) -> None:
@@ -64,9 +71,8 @@ class CarryStreams:
     def next(self) -> Batch:
         reset = self.pos == 0
         T = min(self.bptt, self.stream_len - 1 - self.pos)
-        idx = self.starts[None, :] + self.pos + np.arange(T + 1)[:, None]  # (T+1, B)
-        window = torch.from_numpy(self.tokens[idx].astype(np.int64))
-        batch = Batch(window[:-1], window[1:], reset, self.epoch)
+        window = read_window(self.tokens, self.starts, self.pos, T)  # (T+1, B)
+        batch = Batch(window[:-1], window[1:], reset)
         self.pos += T
         if self.pos >= self.stream_len - 1:
             self.pos, self.epoch = 0, self.epoch + 1
@@ -112,10 +118,9 @@ class ShuffledChunks:
             self._plan()
         g = self.index * self.batch * self.world + self.rank * self.batch
         starts = self.chunk_starts[g : g + self.batch]  # (B,)
-        idx = starts[None, :] + np.arange(self.bptt + 1)[:, None]  # (T+1, B)
-        window = torch.from_numpy(self.tokens[idx].astype(np.int64))
+        window = read_window(self.tokens, starts, 0, self.bptt)  # (T+1, B)
         self.index += 1
-        return Batch(window[:-1], window[1:], True, self.epoch)
+        return Batch(window[:-1], window[1:], True)
 
     def state_dict(self) -> dict:
         return {"kind": "reset", "epoch": self.epoch, "index": self.index}

@@ -10,7 +10,7 @@ Owns the `Tokenizer` interface and its four implementations, how each is trained
     unigram   whitespace kept, byte fallback: decode(encode(text)) == text exactly.
 
 Encoding is vectorised with numpy (a dense code point -> id table for char), so
-`zlm.prepare` can tokenize large corpora chunk by chunk. Files are JSON or the
+`zlm.data.prepare` can tokenize large corpora chunk by chunk. Files are JSON or the
 sentencepiece model proto, never pickle.
 """
 
@@ -127,7 +127,7 @@ class CharTokenizer(Tokenizer):
                 np.uint8).tobytes()
 
     def ids(self, text: str, unknown: str = "error") -> np.ndarray:
-        """Like `encode` but uint8 or int32: the fast path `zlm.prepare` uses. (len(text),)"""
+        """Like `encode` but uint8 or int32: the fast path `zlm.data.prepare` uses. (len(text),)"""
         _check_unknown(unknown)
         if self._ascii is not None and text.isascii():
             out = text.encode("ascii").translate(self._ascii)
@@ -311,7 +311,7 @@ def train_tokenizer(
 
     sample: the training text, or an iterable of text chunks. char reads all of it (its
     vocabulary is every character seen); bpe/unigram train on it, so pass a bounded
-    sample (zlm.prepare passes the first ~10 MB of the training split); byte ignores it.
+    sample (zlm.data.prepare passes the first ~10 MB of the training split); byte ignores it.
     vocab_size: bpe/unigram only (default 1024); an upper bound, smaller corpora may give
     fewer pieces. unknown="replace" adds U+FFFD to a char vocabulary.
     """

@@ -53,6 +53,7 @@ from zlm.inference.modelcoder import (
     run_coder,
 )
 from zlm.inference.symbols import Alphabet
+from zlm.model.cells.cpu_ext import load_extension
 
 MAGIC = b"ZLMZ"
 VERSION = 1
@@ -82,8 +83,9 @@ def kernel_path() -> str:
     """What the decoder's arithmetic must match to reproduce every distribution: zlm's
     step kernels and frequency tables, torch's and numpy's builds, the CPU's instruction
     set as torch dispatches it, and the thread count."""
-    return (f"stepper/t{THREADS}/p{PROB_BITS} torch {torch.__version__} numpy {np.__version__} "
-            f"{torch.backends.cpu.get_cpu_capability()}")
+    step = "cpp" if load_extension() is not None else "torch"  # the Stepper's two paths
+    return (f"stepper-{step}/t{THREADS}/p{PROB_BITS} torch {torch.__version__} numpy "
+            f"{np.__version__} {torch.backends.cpu.get_cpu_capability()}")
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 What `zlm eval`, `zlm sample` and the Python API (`zlm.inference.api`) share:
 
     lm = zlm.load("runs/shakespeare")          # RUN_DIR (best/, else latest) or checkpoint
-    lm.evaluate_text("To be, or not to be")    # -> zlm.metrics.Score (bpc, perplexity, ...)
+    lm.evaluate_text("To be, or not to be")    # -> zlm.core.metrics.Score (bpc, perplexity, ...)
     lm.evaluate_split("test")                  # the split of the DATA_DIR it was trained on
     lm.sample(prime="ROMEO:", length=200, temperature=0.8, seed=1)   # -> str
 
@@ -15,7 +15,6 @@ left in eval mode: zoneout uses its expectation, dropout is off.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,27 +49,24 @@ class LoadedModel:
 
     @property
     def data_path(self) -> Path | None:
-        """The DATA_DIR the model was trained on, as recorded in config.json."""
+        """The DATA_DIR the model was trained on, as recorded in config.json.
+
+        A run directory that was moved (or copied to another machine) no longer finds the
+        absolute path it recorded; then RUN_DIR/data, beside best/ or checkpoints/, is used.
+        """
         p = self.config.get("data", {}).get("path")
-        return Path(p) if p else None
+        recorded = Path(p) if p else None
+        if recorded is not None and (recorded / "dataset.json").is_file():
+            return recorded
+        for run_dir in (self.path.parent, self.path.parent.parent):
+            if (run_dir / "data" / "dataset.json").is_file():
+                return run_dir / "data"
+        return recorded
 
     def __repr__(self) -> str:
         c = self.model_config
         return (f"{type(self).__name__}({str(self.path)!r}, {self.tokenizer.kind} vocab {c.vocab_size}, "
                 f"{c.layers}x{c.hidden}, {self.runtime.describe()}, cell {self.cell.name})")
-
-
-def read_json(path: Path, what: str) -> dict:
-    """A JSON object from a checkpoint file, or a one-line CheckpointError."""
-    try:
-        doc = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path} is unreadable ({e.__class__.__name__}); the {what} is "
-                              "damaged: use another checkpoint") from None
-    if not isinstance(doc, dict):
-        raise CheckpointError(f"{path} is not a JSON object; the {what} is damaged: use "
-                              "another checkpoint")
-    return doc
 
 
 def model_config_of(config: dict, path: Path) -> ModelConfig:
@@ -99,7 +95,7 @@ def load_model(path, device: str = "auto", precision: str = "fp32", cell: str = 
     if not isinstance(config, dict):
         raise CheckpointError(f"{loaded.path}/config.json is not a JSON object; use another checkpoint")
     model_cfg = model_config_of(config, loaded.path)
-    meta = read_json(loaded.path / "dataset.json", "dataset description")
+    meta = ckpt.read_json(loaded.path / "dataset.json", "dataset description")
     tok_meta = meta.get("tokenizer") or config.get("data", {}).get("tokenizer")
     if not isinstance(tok_meta, dict):
         raise CheckpointError(f"{loaded.path}/dataset.json names no tokenizer; use another checkpoint")
@@ -111,7 +107,7 @@ def load_model(path, device: str = "auto", precision: str = "fp32", cell: str = 
         raise CheckpointError(
             f"{loaded.path}: the tokenizer has {tokenizer.vocab_size} entries but the model "
             f"{model_cfg.vocab_size}; the checkpoint is inconsistent: use another one")
-    choice = choose_cell(cell, runtime.device)
+    choice = choose_cell(cell, runtime.device, zoneout=(model_cfg.zoneout_cell, model_cfg.zoneout_hidden))
     if model_cfg.layers > len(loaded.model):  # each layer has tensors: a damaged config.json
         raise CheckpointError(f"{loaded.path}/config.json says {model_cfg.layers} layers but the "
                               "weights hold fewer; the checkpoint is damaged: use another one")

@@ -16,8 +16,10 @@ uses its expectation, dropout is off) laid out for T = 1:
               c = z_c c + (1 - z_c) c~;  h = z_h h + (1 - z_h) h~
     decoder   logits = h W_d^T + b_d                 (B, V)
 
-into buffers allocated once, so a step allocates almost nothing and costs ~20 small
-kernel calls (tests/test_sample.py checks it against the model's forward). Draws come
+into buffers allocated once, so a step allocates almost nothing: on the CPU three calls
+per layer with the compiled C++ step (bf16 weights when bf16 is chosen), else ~20 small
+kernel calls (tests/test_sample.py and tests/inference/ check it against the model's
+forward). The likelihood of each drawn token is one log_softmax and one gather. Draws come
 from a torch.Generator seeded with `seed`: the same seed gives the same text on the same
 machine. Each sample's log-likelihood is that of the model itself (temperature 1, no
 truncation), accumulated as it is drawn.
@@ -36,6 +38,7 @@ from zlm.core.metrics import LN2
 from zlm.data.tokenizers import context_ids
 from zlm.errors import UsageError, ZlmError
 from zlm.inference.load import load_model
+from zlm.model.cells.cpu_ext import load_extension
 from zlm.model.lm import ZoneoutLM
 
 PRIME_WINDOW = 512  # the prime runs through the model in windows of this many tokens
@@ -52,6 +55,8 @@ class SampleConfig:
     top_p: float | None = None  # keep the smallest set with probability >= p (None or 1: all)
     seed: int | None = None  # None: a fresh random seed (reported with the samples)
     num_samples: int = 1  # generated together as one batch
+    unknown: str = "error"  # error | replace: prime characters outside a char vocabulary
+    prime_flag: str = "--prime"  # how the user passed the prime, for error messages
 
     def __post_init__(self):
         if self.length < 1:
@@ -64,6 +69,8 @@ class SampleConfig:
             raise UsageError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.num_samples < 1:
             raise UsageError(f"--num-samples must be >= 1, got {self.num_samples}")
+        if self.unknown not in ("error", "replace"):
+            raise UsageError(f"--unknown {self.unknown} is not a policy; use error or replace")
 
 
 @dataclass(frozen=True)
@@ -94,17 +101,30 @@ class Sample:
 
 
 class Stepper:
-    """The model's eval-mode step for T = 1 and B streams, into preallocated buffers."""
+    """The model's eval-mode step for T = 1 and B streams, into preallocated buffers.
 
-    def __init__(self, model: ZoneoutLM, batch: int):
+    On the CPU with the compiled step (`zlm.model.cells.cpu_ext`) a layer is three calls:
+    the input part (a table row or one multiply), the recurrent multiply, and the C++ step
+    that does every element-wise op and updates h, c in place. lp=True (bf16 chosen on
+    the CPU): the recurrent and inter-layer multiplies read bf16 weights and a bf16 copy
+    of h (fp32 accumulation); h, c, the gates and the decoder stay fp32. Without the
+    compiled step, the same arithmetic runs as ~20 small torch ops (gates i, f, o, g).
+    """
+
+    def __init__(self, model: ZoneoutLM, batch: int, lp: bool = False):
         cfg = model.config
         H, B = cfg.hidden, batch
         dev, dt = model.decoder.weight.device, model.decoder.weight.dtype
+        self.ext = load_extension() if dev.type == "cpu" and dt in (torch.float32, torch.float64) else None
+        self.lp = lp and self.ext is not None and dt == torch.float32
+        wd = torch.bfloat16 if self.lp else dt
         self.load_weights(model)
         self.keep_c = [layer.zoneout_cell for layer in model.layers]
         self.keep_h = [layer.zoneout_hidden for layer in model.layers]
         self.h = torch.zeros(cfg.layers, B, H, device=dev, dtype=dt)  # (L, B, H)
         self.c = torch.zeros_like(self.h)
+        self.h_lp = self.h.to(torch.bfloat16) if self.lp else None  # (L, B, H) bf16 copy of h
+        self.rec = torch.empty(B, 4 * H, device=dev, dtype=wd)  # (B, 4H) recurrent part (lp)
         self.logits = torch.empty(B, cfg.vocab_size, device=dev, dtype=dt)  # (B, V)
         self.gates = [torch.empty(B, 4 * H, device=dev, dtype=dt) for _ in model.layers]
         self.c_new, self.tanh_c, self.h_new = (torch.empty(B, H, device=dev, dtype=dt) for _ in range(3))
@@ -116,14 +136,18 @@ class Stepper:
     def load_weights(self, model: ZoneoutLM) -> None:
         """(Re)derive the step's weight layouts from `model` (after its weights changed)."""
         H, dev = model.config.hidden, model.decoder.weight.device
-        perm = torch.cat([torch.arange(0, 2 * H), torch.arange(3 * H, 4 * H),
-                          torch.arange(2 * H, 3 * H)]).to(dev)  # i, f, g, o -> i, f, o, g
+        wd = torch.bfloat16 if self.lp else model.decoder.weight.dtype
+        if self.ext is None:  # i, f, g, o -> i, f, o, g: one sigmoid over (B, 3H)
+            perm = torch.cat([torch.arange(0, 2 * H), torch.arange(3 * H, 4 * H),
+                              torch.arange(2 * H, 3 * H)]).to(dev)
+        else:
+            perm = torch.arange(4 * H, device=dev)
         first = model.layers[0]
         emb = model.embedding.weight  # (V, E)
         self.table = torch.addmm(first.bias, emb, first.weight_ih.t())[:, perm].contiguous()
-        self.w_hh = [layer.weight_hh[perm].t().contiguous() for layer in model.layers]  # (H, 4H)
-        self.w_ih = [layer.weight_ih[perm].t().contiguous() for layer in model.layers]  # (I, 4H)
-        self.bias = [layer.bias[perm].contiguous() for layer in model.layers]  # (4H,)
+        self.w_hh = [layer.weight_hh[perm].t().to(wd).contiguous() for layer in model.layers]  # (H, 4H)
+        self.w_ih = [layer.weight_ih[perm].t().to(wd).contiguous() for layer in model.layers]  # (I, 4H)
+        self.bias = [layer.bias[perm].to(wd).contiguous() for layer in model.layers]  # (4H,)
         self.dec_w = model.decoder.weight.t().contiguous()  # (H, V)
         self.dec_b = model.decoder.bias.detach().clone()  # (V,)
 
@@ -131,9 +155,34 @@ class Stepper:
         """h, c: (L, 1 or B, H), broadcast over the B streams."""
         self.h.copy_(h.expand_as(self.h))
         self.c.copy_(c.expand_as(self.c))
+        if self.lp:
+            self.h_lp.copy_(self.h)
 
     def __call__(self, tok: Tensor) -> Tensor:
         """tok: (B,) int64 -> logits (B, V), a buffer overwritten by the next call."""
+        x = self._layers_compiled(tok) if self.ext is not None else self._layers_torch(tok)
+        return torch.addmm(self.dec_b, x, self.dec_w, out=self.logits)
+
+    def _layers_compiled(self, tok: Tensor) -> Tensor:
+        for k, g in enumerate(self.gates):
+            h, c = self.h[k], self.c[k]  # (B, H), updated in place by the C++ step
+            if k == 0:
+                torch.index_select(self.table, 0, tok, out=g)  # (B, 4H) = E[tok] W_ih^T + b
+            elif self.lp:
+                g.copy_(torch.addmm(self.bias[k], self.h_lp[k - 1], self.w_ih[k]))
+            else:
+                torch.addmm(self.bias[k], self.h[k - 1], self.w_ih[k], out=g)
+            if self.lp:
+                rec = torch.mm(self.h_lp[k], self.w_hh[k], out=self.rec)  # (B, 4H) bf16
+                h_lp = self.h_lp[k]
+            else:
+                rec, h_lp = None, None
+                g.addmm_(h, self.w_hh[k])
+            self.ext.forward_step(g, rec, g, c, h, None, self.keep_c[k], None, self.keep_h[k],
+                                  c, self.tanh_c, h, h_lp)
+        return self.h[-1]
+
+    def _layers_torch(self, tok: Tensor) -> Tensor:
         x = None
         for k, g in enumerate(self.gates):
             h, c = self.h[k], self.c[k]  # (B, H)
@@ -152,7 +201,7 @@ class Stepper:
             _zone(c, self.c_new, self.keep_c[k])
             _zone(h, self.h_new, self.keep_h[k])
             x = h
-        return torch.addmm(self.dec_b, x, self.dec_w, out=self.logits)
+        return x
 
 
 def _zone(state: Tensor, new: Tensor, keep: float) -> None:
@@ -189,16 +238,23 @@ class Chooser:
         return torch.multinomial(probs, 1, generator=self.gen)
 
 
-def encode_prime(lm, prime: str) -> Tensor:
-    """The prime's ids (P,), or the newline context (or id 0) when it is empty."""
+def encode_prime(lm, prime: str, unknown: str = "error", flag: str = "--prime") -> Tensor:
+    """The prime's ids (P,), or the newline context (or id 0) when it is empty.
+
+    unknown="replace" maps characters outside a char vocabulary to its U+FFFD entry; a
+    vocabulary without one, or unknown="error", makes them a one-line UsageError naming
+    the first one (`flag` says where the prime came from).
+    """
     if not prime:
         ctx = context_ids(lm.tokenizer)
         return torch.from_numpy(ctx[-1:]) if ctx is not None else torch.zeros(1, dtype=torch.long)
     try:
-        ids = lm.tokenizer.encode(prime, unknown="error")
+        ids = lm.tokenizer.encode(prime, unknown=unknown)
     except ZlmError as e:
         reason = str(e).split(";")[0]
-        raise UsageError(f"--prime: {reason}; remove or replace it in the prime") from None
+        fix = ("prepare the data with --unknown replace to have one" if unknown == "replace"
+               else "remove or replace it in the prime, or pass --unknown replace")
+        raise UsageError(f"{flag}: {reason}; {fix}") from None
     return torch.from_numpy(ids)
 
 
@@ -215,24 +271,24 @@ def generate(lm, cfg: SampleConfig, on_text: Callable[[str], None] | None = None
     B, n, dev = cfg.num_samples, cfg.length, lm.runtime.device
     seed = cfg.seed if cfg.seed is not None else secrets.randbits(31)
     gen = torch.Generator(device=dev).manual_seed(seed)
-    prime_ids = encode_prime(lm, cfg.prime).to(dev)[:, None]  # (P, 1)
+    prime_ids = encode_prime(lm, cfg.prime, cfg.unknown, cfg.prime_flag).to(dev)[:, None]  # (P, 1)
     state = None
     for s in range(0, prime_ids.shape[0], PRIME_WINDOW):  # the prime, once
         logits, state = model(prime_ids[s : s + PRIME_WINDOW], state)
-    step = Stepper(model, B)
+    step = Stepper(model, B, lp=lm.runtime.precision == "bf16" and dev.type == "cpu")
     step.set_state(*state)
     choose = Chooser(cfg, model.config.vocab_size, gen)
     logits = logits[-1].float().expand(B, -1)  # (B, V) the first distribution
     ids = torch.empty(n, B, dtype=torch.long, device=dev)  # (n, B) generated tokens
-    nats = torch.zeros(B, dtype=torch.float64, device=dev)  # (B,) -log p, summed
+    logp = torch.empty(n, B, 1, device=dev)  # (n, B, 1) log p of each drawn token (temperature 1)
     stream = on_text if B == 1 else None
     decoder = tok.stream_decoder() if stream else None
     if stream and cfg.prime:
         stream(cfg.prime)
     for t in range(n):
-        lse = torch.logsumexp(logits, -1)  # (B,) before any truncation: the model's own p
         nxt = choose(logits)  # (B, 1)
-        nats += lse - logits.gather(1, nxt).squeeze(1)
+        # log p before any truncation or temperature: the model's own likelihood
+        torch.gather(torch.log_softmax(logits, -1), 1, nxt, out=logp[t])
         ids[t] = nxt.squeeze(1)
         if stream:
             piece = decoder.feed(int(nxt))
@@ -245,6 +301,7 @@ def generate(lm, cfg: SampleConfig, on_text: Callable[[str], None] | None = None
         if tail:
             stream(tail)
     cols = ids.t().cpu().tolist()  # B lists of n ids
+    nats = -logp.squeeze(2).double().sum(0)  # (B,) -log p, summed in fp64
     out = []
     for b in range(B):
         d = tok.stream_decoder()
@@ -254,9 +311,13 @@ def generate(lm, cfg: SampleConfig, on_text: Callable[[str], None] | None = None
 
 
 def sample_checkpoint(path, cfg: SampleConfig, device: str = "auto",
-                      on_text: Callable[[str], None] | None = None) -> list[Sample]:
-    """`zlm sample`: load a RUN_DIR or checkpoint and `generate`."""
-    return generate(load_model(path, device), cfg, on_text)
+                      on_text: Callable[[str], None] | None = None, precision: str = "auto") -> list[Sample]:
+    """`zlm sample`: load a RUN_DIR or checkpoint and `generate`.
+
+    precision: "auto" (bf16 weights in the step on CPUs with native bf16, see
+    `zlm.core.precision.resolve_precision`), "fp32" or "bf16".
+    """
+    return generate(load_model(path, device, precision), cfg, on_text)
 
 
 def sample_text(lm, cfg: SampleConfig) -> str:

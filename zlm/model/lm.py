@@ -1,7 +1,7 @@
 """The zoneout LSTM language model: embedding -> L zoneout LSTM layers -> decoder.
 
 The model is pure: it knows nothing of DDP, autocast or compilation, which are applied
-from outside (`zlm.distributed`, `zlm.precision`). The cell implementation is swappable
+from outside (`zlm.training.distributed`, `zlm.core.precision`). The cell implementation is swappable
 (`zlm.model.cells.choose_cell`) and every implementation uses the same parameters, so a
 checkpoint loads under any of them.
 """
@@ -27,7 +27,7 @@ State = tuple[Tensor, Tensor]  # h, c: each (L, B, H)
 class ModelConfig:
     """Shape and regularisation of the model (stored in config.json)."""
 
-    vocab_size: int
+    vocab_size: int = 0  # tokens; 0 only in presets, before the data is known
     hidden: int = 512  # units per LSTM layer
     layers: int = 1  # stacked zoneout LSTM layers
     embed: int = 128  # embedding width fed to the first layer
@@ -36,7 +36,7 @@ class ModelConfig:
     dropout: float = 0.0  # non-recurrent dropout: embedding, between layers, before decoder
 
     def __post_init__(self):
-        if self.vocab_size < 1:
+        if self.vocab_size < 0:
             raise UsageError(f"vocab_size must be >= 1, got {self.vocab_size}")
         for name in ("hidden", "layers", "embed"):
             if getattr(self, name) < 1:
@@ -90,6 +90,8 @@ class ZoneoutLM(nn.Module):
 
     def __init__(self, config: ModelConfig, cell: CellFn = zoneout_lstm_reference):
         super().__init__()
+        if config.vocab_size < 1:
+            raise UsageError(f"vocab_size must be >= 1, got {config.vocab_size}")
         self.config = config
         self.cell = cell
         c = config

@@ -7,12 +7,19 @@ Three implementations of the same character language model (embedding -> one LST
 - `reference`: `zlm.model.ZoneoutLM` with the reference cell, zoneout z_c 0.5, z_h 0.05;
 - `fused`: the same model with the cell `choose_cell("fused", device)` picks;
 - `fused+graphs` (CUDA only): the fused model with each window's forward (and backward)
-  replayed from a CUDA graph (`zlm.graphs.CapturedStep`), as `zlm train` runs it.
+  replayed from a CUDA graph (`zlm.training.graphs.CapturedStep`), as `zlm train` runs it.
 
 Phases: `train` (forward, backward; no optimizer step), `infer` (no_grad forward), both
-over (T, B) windows with the state carried, and `sample` (batch 1, one character at a
-time: embedding -> one cell step -> decoder -> softmax -> torch.multinomial, as a sampler
-does). Each (implementation, phase) is warmed up, then timed in rounds whose order
+over (T, B) windows with the state carried; `model` (nn.LSTM and fused only: a whole
+training step - embedding, LSTM, decoder, loss, backward, clip 1, Adam - as `zlm train`
+runs it; the fused row also carries `mask_draw_share`, the share of that step spent
+drawing the two zoneout masks); and `sample` (batch 1, one character at a time: the
+zlm models through `zlm.inference.sample.Stepper`, nn.LSTM through its own step ->
+decoder -> softmax -> torch.multinomial).
+
+Precision (`zlm.core.precision.resolve_precision` decides, "auto" included): bf16 rows run
+every implementation under plain `torch.autocast(device, dtype=torch.bfloat16)` with its
+default arguments, as a user writes it, so the nn.LSTM bar is the one a user gets. Each (implementation, phase) is warmed up, then timed in rounds whose order
 rotates, so machine noise hits all alike; the median per round is reported, with the
 time per character relative to nn.LSTM measured in the same run. This module measures;
 `zlm.cli.bench` renders.
@@ -30,8 +37,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zlm.core.precision import cpu_bf16_native, resolve_precision
 from zlm.errors import UsageError
+from zlm.inference.sample import Stepper
 from zlm.model.cells import choose_cell
+from zlm.model.cells.masks import draw_keep
 from zlm.model.cells.reference import zoneout_lstm_reference
 from zlm.model.lm import ModelConfig, ZoneoutLM
 from zlm.training.graphs import CapturedStep
@@ -51,19 +61,20 @@ class BenchConfig:
     hidden: int = 512  # LSTM units
     batch_size: int = 32  # parallel streams per window (1 for the sample phase)
     bptt: int = 100  # timesteps per window
-    vocab: int = 128  # characters in the vocabulary
-    embed: int = 128  # embedding width fed to the LSTM
+    vocab: int = 65  # characters in the vocabulary (tinyshakespeare's 65)
+    embed: int = 64  # embedding width fed to the LSTM
     device: str = "cpu"  # cpu or cuda
     repeats: int = 5  # timed rounds; the median is reported
     warmup: int = 2  # untimed calls per implementation and phase first
     sample_chars: int = 300  # characters generated per timed sample round
-    precision: str = "fp32"  # fp32 | bf16 | fp16: autocast around every forward (CUDA only)
+    precision: str = "fp32"  # auto | fp32 | bf16 | fp16 (CUDA): autocast around every forward
 
     def __post_init__(self):
-        if self.precision not in PRECISIONS:
-            raise UsageError(f"unknown precision {self.precision!r}; pass --precision fp32, bf16 or fp16")
-        if self.precision != "fp32" and self.device != "cuda":
-            raise UsageError(f"--precision {self.precision} is for --device cuda; pass --precision fp32")
+        if self.device in ("cpu", "cuda"):  # an unknown device is refused by resolve_device
+            object.__setattr__(self, "precision", resolve_precision(self.device, self.precision))
+        if self.device == "cpu" and self.precision == "bf16" and not cpu_bf16_native():
+            raise UsageError("--precision bf16: this CPU has no native bf16 (AVX512-BF16 or AMX), where "
+                             "torch.nn.LSTM under autocast does not run; pass --precision fp32")
         for name in ("hidden", "batch_size", "bptt", "vocab", "embed", "repeats", "sample_chars"):
             if getattr(self, name) < 1:
                 raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -126,12 +137,16 @@ class _Runner:
         self.tok = torch.zeros(1, 1, dtype=torch.long, device=device)
         self.graphed = impl == GRAPHED
         self.graphs: dict[str, CapturedStep] = {}
+        self.opt = None
 
     def autocast(self):
+        """Plain autocast with default arguments; inside a CUDA graph no weight cache."""
         dtype = PRECISIONS[self.cfg.precision]
         if dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=dtype, cache_enabled=False)
+        if self.graphed:
+            return torch.autocast(self.device.type, dtype=dtype, cache_enabled=False)
+        return torch.autocast(self.device.type, dtype=dtype)
 
     def _graph_state(self) -> tuple:
         if self.state is None:
@@ -173,6 +188,28 @@ class _Runner:
             p.grad = None
         return self.cfg.bptt * self.cfg.batch_size
 
+    def model_step(self) -> int:
+        """A whole training step: forward, loss, backward, clip 1, Adam."""
+        if self.opt is None:
+            self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-3)
+        self.model.train()
+        with self.autocast():
+            logits, state = self.model(self.tokens[:-1], self.state)  # (T, B, V)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), self.tokens[1:].flatten())
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        self.state = tuple(s.detach() for s in state)
+        return self.cfg.bptt * self.cfg.batch_size
+
+    def masks(self) -> int:
+        """Drawing the two zoneout masks of one window, as the zlm layer does."""
+        shape = (self.cfg.bptt, self.cfg.batch_size, self.cfg.hidden)
+        for z in (0.5, 0.05):
+            draw_keep(z, shape, True, dtype=torch.float32, device=self.device)
+        return self.cfg.bptt * self.cfg.batch_size
+
     def infer(self) -> int:
         if self.graphed:
             return self._replay("infer")
@@ -192,12 +229,19 @@ class _Runner:
                     y, state = m.lstm(m.embedding(tok), state)  # (1, 1, H)
                     tok = torch.multinomial(torch.softmax(m.decoder(y[0]), dim=-1), 1)  # (1, 1)
                 return n
-            layer = m.layers[0]
-            w = (layer.weight_ih, layer.weight_hh, layer.bias, layer.zoneout_cell, layer.zoneout_hidden)
-            h = c = torch.zeros(1, self.cfg.hidden, device=self.device)  # (1, H)
+            if m.cell is zoneout_lstm_reference:  # the reference cell, one step per call
+                layer = m.layers[0]
+                w = (layer.weight_ih, layer.weight_hh, layer.bias, layer.zoneout_cell, layer.zoneout_hidden)
+                h = c = torch.zeros(1, self.cfg.hidden, device=self.device)  # (1, H)
+                for _ in range(n):
+                    _, h, c = m.cell(m.embedding(tok), h, c, *w)
+                    tok = torch.multinomial(torch.softmax(m.decoder(h), dim=-1), 1)  # (1, 1)
+                return n
+            lp = self.cfg.precision == "bf16" and self.device.type == "cpu"
+            step = Stepper(m, 1, lp=lp)  # as zlm sample runs it
+            tok = tok[0]  # (1,)
             for _ in range(n):
-                _, h, c = m.cell(m.embedding(tok), h, c, *w)
-                tok = torch.multinomial(torch.softmax(m.decoder(h), dim=-1), 1)  # (1, 1)
+                tok = torch.multinomial(torch.softmax(step(tok), dim=-1), 1)[0]  # (1,)
         return n
 
 
@@ -216,17 +260,19 @@ def measure(cfg: BenchConfig, phases: tuple[str, ...] = ("train", "infer")) -> l
     device = resolve_device(cfg.device)
     impls = IMPLS + ((GRAPHED,) if device.type == "cuda" and phases != ("sample",) else ())
     runners = {impl: _Runner(impl, cfg, device) for impl in impls}
-    jobs = [(impl, phase) for phase in phases for impl in impls]
+    jobs = [(impl, phase) for phase in phases for impl in _impls_for(phase, impls)]
+    if "model" in phases:
+        jobs.append(("fused", "masks"))
     for impl, phase in jobs:
         for _ in range(cfg.warmup):
-            getattr(runners[impl], phase)()
+            getattr(runners[impl], _METHOD.get(phase, phase))()
     seconds: dict[tuple[str, str], list[float]] = {job: [] for job in jobs}
     for r in range(cfg.repeats):
         k = r % len(jobs)
         for impl, phase in jobs[k:] + jobs[:k]:  # rotate who goes first
             _sync(device)
             t0 = time.perf_counter()
-            chars = getattr(runners[impl], phase)()
+            chars = getattr(runners[impl], _METHOD.get(phase, phase))()
             _sync(device)
             seconds[(impl, phase)].append((time.perf_counter() - t0) / chars)
     rows = []
@@ -236,10 +282,20 @@ def measure(cfg: BenchConfig, phases: tuple[str, ...] = ("train", "infer")) -> l
         size.update(batch_size=1, bptt=1)
     for phase in phases:
         bar = statistics.median(seconds[("nn.LSTM", phase)])
-        for impl in impls:
+        for impl in _impls_for(phase, impls):
             s = statistics.median(seconds[(impl, phase)])
             rows.append(dict(size, phase=phase, impl=impl, chars_per_s=1.0 / s, ratio_to_lstm=s / bar))
+            if phase == "model" and impl == "fused":
+                rows[-1]["mask_draw_share"] = statistics.median(seconds[("fused", "masks")]) / s
     return rows
+
+
+_METHOD = {"model": "model_step"}  # phase -> _Runner method where the names differ
+
+
+def _impls_for(phase: str, impls: tuple[str, ...]) -> tuple[str, ...]:
+    """The whole-model step runs nn.LSTM and the fused cell only (the reference is slow)."""
+    return ("nn.LSTM", "fused") if phase == "model" else impls
 
 
 def grid_configs(base: BenchConfig) -> list[BenchConfig]:
@@ -252,19 +308,20 @@ def run_bench(cfg: BenchConfig, grid: bool = False, sample: bool = False,
               precisions: tuple[str, ...] = ()) -> dict:
     """The whole benchmark as one JSON-ready dict (see `measure` for the rows).
 
-    grid: run `grid_configs(cfg)` and batch-1 sampling at H=512 instead of cfg's size;
-    sample: also measure batch-1 sampling at cfg.hidden; precisions: run every size in
-    each of these (default: cfg.precision).
+    Every size runs the train, infer and model phases. grid: run `grid_configs(cfg)` and
+    batch-1 sampling at H=512 instead of cfg's size; sample: also measure batch-1
+    sampling at cfg.hidden; precisions: run every size in each of these (default:
+    cfg.precision), each resolved by `zlm.core.precision.resolve_precision`.
     """
     device = resolve_device(cfg.device)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     rows: list[dict] = []
-    for prec in precisions or (cfg.precision,):
+    for prec in dict.fromkeys(resolve_precision(device, p) for p in precisions or (cfg.precision,)):
         for c in grid_configs(cfg) if grid else [cfg]:
-            rows += measure(replace(c, precision=prec))
-    if grid or sample:
-        h = SAMPLE_HIDDEN if grid else cfg.hidden
-        rows += measure(BenchConfig(**{**asdict(cfg), "hidden": h}), phases=("sample",))
+            rows += measure(replace(c, precision=prec), phases=("train", "infer", "model"))
+        if grid or sample:
+            h = SAMPLE_HIDDEN if grid else cfg.hidden
+            rows += measure(BenchConfig(**{**asdict(cfg), "hidden": h, "precision": prec}), phases=("sample",))
     return {
         "device": str(device),
         "torch": torch.__version__,

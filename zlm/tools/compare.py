@@ -14,7 +14,8 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from zlm.tools.curves import RunCurves, read_json, read_runs
+from zlm.core.checkpoint import read_json_or_none
+from zlm.tools.curves import RunCurves, read_runs
 
 # Settings that never change what is learned, or are always equal by construction.
 IGNORED = {"model.vocab_size", "train.device", "train.keep_last", "train.log_every",
@@ -64,13 +65,13 @@ def differing(configs: list[dict]) -> list[str]:
 
 def read_test_bpc(run_dir: Path) -> float | None:
     """RUN_DIR/results.json's test BPC (of the best checkpoint), if a recipe wrote it."""
-    doc = read_json(Path(run_dir) / "results.json") or {}
+    doc = read_json_or_none(Path(run_dir) / "results.json") or {}
     v = doc.get("test_bpc")
     return float(v) if isinstance(v, (int, float)) else None
 
 
 def result_row(run: RunCurves) -> dict:
-    results = read_json(run.path / "results.json") or {}
+    results = read_json_or_none(run.path / "results.json") or {}
     valid = results.get("valid_bpc")
     best = run.best_valid_bpc
     return {
@@ -85,7 +86,7 @@ def result_row(run: RunCurves) -> dict:
 def compare_runs(run_dirs) -> Comparison:
     """Read each run directory; UsageError (one line) for one that is not a run."""
     runs = read_runs(run_dirs)
-    configs = [read_json(r.path / "config.json") or {} for r in runs]
+    configs = [read_json_or_none(r.path / "config.json") or {} for r in runs]
     keys = differing(configs)
     names = [short_name(k) for k in keys]
     if len(set(names)) < len(names):  # the same name under model and train: keep both whole

@@ -16,10 +16,10 @@ of a step wins, so a curve is always the history of the run as it now stands.
 from __future__ import annotations
 
 import bisect
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from zlm.core.checkpoint import read_json_or_none
 from zlm.core.metrics import LN2, read_metrics
 from zlm.errors import UsageError
 
@@ -86,14 +86,6 @@ def describe_settings(model: dict) -> str:
             f"dropout {num(model.get('dropout'))}")
 
 
-def read_json(path: Path) -> dict | None:
-    try:
-        doc = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return doc if isinstance(doc, dict) else None
-
-
 def chars_per_token(run_dir: Path, config: dict) -> float:
     """Characters per token of the training split (1.0 when the data is a char corpus or gone)."""
     if config.get("data", {}).get("unit", "character") == "character" and \
@@ -102,7 +94,7 @@ def chars_per_token(run_dir: Path, config: dict) -> float:
     for where in (config.get("data", {}).get("path"), run_dir / "best", run_dir / "data"):
         if not where:
             continue
-        meta = read_json(Path(where) / "dataset.json")
+        meta = read_json_or_none(Path(where) / "dataset.json")
         split = (meta or {}).get("splits", {}).get("train")
         if split and split.get("tokens"):
             return split["characters"] / split["tokens"]
@@ -115,7 +107,7 @@ def read_run(run_dir) -> RunCurves:
     if not (run_dir / "metrics.jsonl").is_file() or not (run_dir / "config.json").is_file():
         raise UsageError(f"{run_dir} is not a run directory (no metrics.jsonl and config.json); "
                          "pass the --out directory of a zlm train run")
-    config = read_json(run_dir / "config.json") or {}
+    config = read_json_or_none(run_dir / "config.json") or {}
     events = read_metrics(run_dir / "metrics.jsonl")
     tc = config.get("train", {})
     world = int(config.get("world_size") or 1)

@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 
 from zlm.core import checkpoint as ckpt
+from zlm.core.checkpoint import read_json
 from zlm.errors import CheckpointError
-from zlm.inference.load import model_config_of, read_json
+from zlm.inference.load import model_config_of
 from zlm.model.lm import ZoneoutLM
 
 

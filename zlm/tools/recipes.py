@@ -20,10 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from zlm.core import checkpoint as ckpt
+from zlm.core.checkpoint import read_json_or_none
 from zlm.core.report import Reporter
 from zlm.data.dataset import Dataset
 from zlm.errors import UsageError, ZlmError
-from zlm.tools.curves import read_json, read_run, read_runs
+from zlm.tools.curves import read_run, read_runs
+from zlm.training.config import configure
+from zlm.training.presets import get_preset
+from zlm.training.trainer import train
 
 # (run directory, setting, z_c, z_h): the paper's (Krueger et al. 2016) ablation.
 ABLATION = (
@@ -67,7 +71,7 @@ class RecipeConfig:
             raise UsageError(f"--max-steps must be >= 1, got {self.max_steps}")
 
     def overrides(self) -> dict:
-        """The explicit model/training options, for zlm.runconfig.resolve."""
+        """The explicit model/training options, for zlm.training.config.configure."""
         keys = ("hidden", "layers", "embed", "batch_size", "bptt", "lr", "eval_every",
                 "log_every", "seed", "device")
         return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
@@ -124,12 +128,10 @@ def prepare_once(config: RecipeConfig, out: Path, rep: Reporter) -> Dataset:
 def train_run(run_dir: Path, data: Dataset, overrides: dict, preset: str | None,
               make_reporter: ReporterFactory) -> None:
     """Train (or resume, or skip when finished) one run of a recipe."""
-    from zlm.training.config import resolve
-    from zlm.training.trainer import train
-
     if (run_dir / "metrics.jsonl").is_file() and read_run(run_dir).finished:
         return
-    model_cfg, train_cfg, _ = resolve(data.vocab_size, preset, overrides)
+    p = get_preset(preset)
+    model_cfg, train_cfg = configure(p.model, p.train, data.vocab_size, overrides)
     resume = run_dir.is_dir() and any(p.name != "data" for p in run_dir.iterdir())
     summary = train(run_dir, data, model_cfg, train_cfg, resume=resume, reporter=make_reporter())
     if summary.get("interrupted"):
@@ -141,11 +143,11 @@ def score_run(run_dir: Path, setting: str, device: str) -> dict:
     """Valid and test BPC of the run's best checkpoint -> RUN_DIR/results.json (kept)."""
     from zlm.inference.evaluate import EvalConfig, evaluate
 
-    results = read_json(run_dir / "results.json")
+    results = read_json_or_none(run_dir / "results.json")
     if results is None:
         valid = evaluate(run_dir, EvalConfig(split="valid", device=device))
         test = evaluate(run_dir, EvalConfig(split="test", device=device))
-        best = read_json(run_dir / "best" / "trainer.json") or {}
+        best = read_json_or_none(run_dir / "best" / "trainer.json") or {}
         results = {"setting": setting, "checkpoint": valid.checkpoint, "best_step": best.get("step"),
                    "valid_bpc": valid.score.bpc, "test_bpc": test.score.bpc,
                    "protocol": valid.protocol, "valid": valid.to_dict(), "test": test.to_dict()}
@@ -207,7 +209,7 @@ def zoneout_ablation(config: RecipeConfig = RecipeConfig(),
     data = prepare_once(config, out, rep)
     base = {**ABLATION_DEFAULTS, **config.overrides(), "dropout": 0.0}
     plan_path = out / "plan.json"
-    plan = read_json(plan_path) or {}
+    plan = read_json_or_none(plan_path) or {}
     minutes = config.minutes if config.minutes is not None else ABLATION_MINUTES
     if config.max_steps is not None:
         plan = {"max_steps": config.max_steps, "how": "--max-steps"}
@@ -317,5 +319,5 @@ def run_recipe(name: str, config: RecipeConfig, make_reporter: ReporterFactory =
     """Dispatch by name: zoneout-ablation | equal-budget."""
     recipes = {"zoneout-ablation": zoneout_ablation, "equal-budget": equal_budget}
     if name not in recipes:
-        raise UsageError(f"unknown recipe {name!r}; use {' or '.join(recipes)}")
+        raise UsageError(f"unknown recipe {name!r}; use {', '.join(recipes)} or corpora-benchmark")
     return recipes[name](config, make_reporter)

@@ -42,6 +42,16 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
+def rank_from_env() -> int:
+    """RANK from the launcher (0 without one), readable before the process group exists."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def world_from_env() -> int:
+    """WORLD_SIZE from the launcher (1 without one)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def restart_count() -> int:
     """How often the elastic agent (torchrun --max-restarts) has restarted this job."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -67,7 +77,6 @@ class Parallel:
 
     rank: int = 0
     world: int = 1
-    local_rank: int = 0
     zero: bool = False  # --zero was asked for (it needs several processes to do anything)
 
     @property
@@ -224,7 +233,7 @@ def setup(device: torch.device | None = None, zero: bool = False) -> Parallel:
 
     if not dist.is_available():
         raise UsageError("this torch build has no torch.distributed; run a single process (no torchrun, no --nproc)")
-    rank, lrank = int(os.environ["RANK"]), local_rank()
+    rank = int(os.environ["RANK"])
     device = device or torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -250,5 +259,5 @@ def setup(device: torch.device | None = None, zero: bool = False) -> Parallel:
         backend = dist.get_backend()
     if dist.get_world_size() != world or dist.get_rank() != rank:
         raise UsageError(f"the process group has {dist.get_world_size()} ranks but WORLD_SIZE is {world}")
-    return ProcessGroupParallel(rank=rank, world=world, local_rank=lrank, zero=zero, device=device,
+    return ProcessGroupParallel(rank=rank, world=world, zero=zero, device=device,
                                 backend=str(backend), owns_group=owns)

@@ -7,10 +7,11 @@ window (embedding, every layer's masks and recurrence, decoder, loss and backwar
 one CUDA graph turns those thousands of launches into one `replay()`.
 
 `CapturedStep` is the mechanism (static inputs, a side-stream warmup, capture, replay,
-the parameters' gradients exposed after each replay); `WindowStep` is what the trainer
-calls: one TBPTT window -> (loss, final state), gradients left in `param.grad`, replayed
-from a graph when `graphs_unavailable_reason` says it can be, run eagerly otherwise. Both
-paths compute the same thing; the eager one is the reference (tests/test_graphs.py).
+the parameters' gradients exposed after each replay); `WindowStep` wraps the trainer's
+forward + loss + backward from outside: one TBPTT window -> (loss, final state),
+gradients left in `param.grad`, replayed from a graph when `graphs_unavailable_reason`
+says it can be, run eagerly otherwise. Both paths compute the same thing; the eager one
+is the reference (tests/training/test_graphs.py).
 
 Rules the captured function keeps: no host synchronisation (no .item(), no data-dependent
 Python branches), fixed shapes (a graph is kept per window shape; a few shapes at most,
@@ -29,7 +30,6 @@ from torch import Tensor
 
 from zlm.core.precision import Runtime
 from zlm.errors import UsageError
-from zlm.model.lm import token_nll
 
 GRAPH_MODES = ("auto", "on", "off")
 MAX_SHAPES = 4  # graphs kept per trainer (window shapes); others run eagerly
@@ -134,44 +134,30 @@ def resolve_graphs(mode: str, why_not: str | None) -> tuple[bool, str]:
 
 
 class WindowStep:
-    """One TBPTT training window: forward, mean loss, backward -> (loss, (h_T, c_T)).
+    """`fn(x, y, h0, c0) -> (loss, h, c)` for one TBPTT window, replayed from CUDA graphs.
 
-    The loss is the mean nats per token (fp32, a 0-d tensor), the final state is detached,
-    fp32, and owned by the caller; gradients are in `param.grad` (unscaled only when the
-    scaler is disabled: the trainer unscales). With `graphs` on, each window shape is
-    captured once and replayed after; otherwise (and for shapes beyond MAX_SHAPES) the
-    same code runs eagerly.
+    fn is the trainer's forward + loss + backward (`zlm.training.trainer.forward_backward`),
+    leaving gradients in `param.grad` of `params`. With `graphs` off it is simply called;
+    with graphs on, each window shape is captured once and replayed after (shapes beyond
+    MAX_SHAPES run eagerly). Either way the caller gets (loss, (h, c)) it owns.
     """
 
     capture = CapturedStep  # tests substitute an eager stand-in
 
-    def __init__(self, model: torch.nn.Module, runtime: Runtime, scaler: torch.amp.GradScaler,
-                 graphs: bool = False, fault: Callable | None = None):
-        self.model, self.runtime, self.scaler, self.graphs, self.fault = model, runtime, scaler, graphs, fault
-        self.params = [p for p in model.parameters() if p.requires_grad]
+    def __init__(self, fn: Callable[..., tuple[Tensor, Tensor, Tensor]], params: Sequence[Tensor],
+                 graphs: bool = False):
+        self.fn, self.params, self.graphs = fn, list(params), graphs
         self.captured: dict[tuple, CapturedStep] = {}
         self.replays = 0
 
-    def _forward_backward(self, x: Tensor, y: Tensor, h0: Tensor, c0: Tensor, step: int | None = None):
-        with self.runtime.autocast(cache=not self.graphs):
-            logits, (h, c) = self.model(x, (h0, c0))
-        loss = token_nll(logits, y) / y.numel()  # mean nats per token, fp32
-        if self.fault is not None:
-            loss = self.fault(step, loss)
-        self.scaler.scale(loss).backward()
-        return loss.detach(), h.detach().float(), c.detach().float()
-
-    def __call__(self, x: Tensor, y: Tensor, state: tuple[Tensor, Tensor], step: int = 0):
+    def __call__(self, x: Tensor, y: Tensor, state: tuple[Tensor, Tensor]):
         h0, c0 = state
-        if not self.graphs:
-            loss, h, c = self._forward_backward(x, y, h0, c0, step)
-            return loss, (h, c)
         key = (tuple(x.shape), tuple(h0.shape))
-        graph = self.captured.get(key)
-        if graph is None and len(self.captured) < MAX_SHAPES:
-            graph = self.captured[key] = self.capture(self._forward_backward, (x, y, h0, c0), self.params)
+        graph = self.captured.get(key) if self.graphs else None
+        if graph is None and self.graphs and len(self.captured) < MAX_SHAPES:
+            graph = self.captured[key] = self.capture(self.fn, (x, y, h0, c0), self.params)
         if graph is None:
-            loss, h, c = self._forward_backward(x, y, h0, c0, step)
+            loss, h, c = self.fn(x, y, h0, c0)
             return loss, (h, c)
         loss, h, c = graph(x, y, h0, c0)
         self.replays += 1

@@ -3,12 +3,12 @@
 This is the machinery torchrun uses (`torch.distributed.launcher.api.elastic_launch`
 with a standalone c10d rendezvous on localhost), not a process pool of our own: the agent
 starts N workers with RANK, LOCAL_RANK, WORLD_SIZE and MASTER_ADDR/PORT set, watches them,
-and stops every worker as soon as one fails. `zlm.distributed` then sees exactly the
+and stops every worker as soon as one fails. `zlm.training.distributed` then sees exactly the
 environment torchrun would have given it.
 
-The launching process checks the run directory, prepares the data and resolves the config
-first, so mistakes are reported once and before any worker starts. Each worker runs in a
-session of its own: Ctrl-C or SIGTERM reaches the agent alone, which forwards it to every
+It knows nothing of training: `zlm.training.runner` plans the run (checks, prepares and
+resolves once, before any worker starts) and hands `run_local` its worker function. Each
+worker runs in a session of its own: Ctrl-C or SIGTERM reaches the agent alone, which forwards it to every
 worker once, so the workers save a checkpoint together and exit cleanly.
 """
 
@@ -20,10 +20,9 @@ import sys
 import threading
 import uuid
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
-from zlm.errors import UsageError, ZlmError
+from zlm.errors import ZlmError
 
 SHUTDOWN_GRACE = 60  # seconds the workers get to save a checkpoint after Ctrl-C/SIGTERM
 
@@ -117,61 +116,3 @@ def _worker(fn: Callable, *args):
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         print(f"error: rank {rank} lost contact with the other processes ({first})", file=sys.stderr, flush=True)
         sys.exit(1)
-
-
-def _train_worker(req) -> None:
-    """One rank of `zlm train --nproc`: the single-process path, under the launcher's environment."""
-    from zlm.core.report import Reporter
-    from zlm.training.runner import run_training
-
-    quiet = Reporter() if int(os.environ.get("RANK", "0")) != 0 else None  # only rank 0 prints
-    code = run_training(req, reporter=quiet)
-    if code:
-        sys.exit(code)
-
-
-def launch_local(req) -> int:
-    """`zlm train ... --nproc N`: check, prepare, then train in N local processes.
-
-    Returns the exit code: 0; the failing worker's code (1 if it was killed); 128+signal
-    when interrupted (the workers saved a checkpoint first).
-    """
-    from zlm.core.progress import make_reporter
-    from zlm.training.config import parse_duration, resolve
-    from zlm.training.runner import default_run_dir, open_or_prepare
-    from zlm.training.trainer import check_run_dir
-
-    nproc = req.nproc
-    if "WORLD_SIZE" in os.environ and "TORCHELASTIC_RUN_ID" in os.environ:
-        raise UsageError("--nproc starts its own processes; under torchrun leave --nproc out")
-    rep = make_reporter()
-    run_dir = req.out or default_run_dir(req.source, req.resume)
-    check_run_dir(run_dir, req.resume)
-    data = open_or_prepare(req.source, run_dir, req.mirror, rep)
-    overrides = dict(req.overrides)
-    if req.time_budget is not None:
-        overrides["time_budget"] = parse_duration(req.time_budget)
-    _, train_cfg, _ = resolve(data.vocab_size, req.preset, overrides)  # usage errors, once
-    _check_devices(train_cfg.device, nproc)
-    rep.message(f"launching {nproc} processes (torch elastic agent, standalone rendezvous)")
-    try:
-        run_local(_train_worker, (replace(req, out=run_dir, nproc=None),), nproc)
-    except Interrupted as e:
-        rep.message(f"{e}: checkpoint saved; continue with zlm train {req.source} --out {run_dir} "
-                    f"--nproc {nproc} --resume")
-        return e.exit_code
-    except WorkersFailed as e:
-        raise WorkersFailed(f"{e}; continue from the last complete checkpoint with zlm train {req.source} "
-                            f"--out {run_dir} --nproc {nproc} --resume", e.exit_code) from None
-    return 0
-
-
-def _check_devices(device: str, nproc: int) -> None:
-    import torch
-
-    if device == "cpu" or not torch.cuda.is_available():
-        return
-    n = torch.cuda.device_count()
-    if nproc > n:
-        raise UsageError(f"--nproc {nproc} but this machine has {n} CUDA device(s), one per process; "
-                         f"pass --nproc {n} or --device cpu")

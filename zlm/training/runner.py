@@ -1,56 +1,135 @@
-"""`zlm train` end to end: find or prepare the data, resolve the config, train, report.
+"""`zlm train` end to end: plan the run once, then train in this process or in N local ones.
 
-This is the one library function the `train` command calls. It decides the run
-directory, prepares a raw source on the fly into RUN_DIR/data, picks the display,
-launches local processes for --nproc, and prints a sample at the end if asked.
+`plan_run` decides the run directory and refuses one that is taken, prepares a raw source
+on the fly into RUN_DIR/data, and resolves the preset and the user's options into typed
+configs: every mistake is reported once, before any training process starts.
+`run_training` then trains here (or as one rank under torchrun) or launches `--nproc`
+workers, and returns the `Outcome`; the CLI turns it into an exit code and a hint.
 """
 
 from __future__ import annotations
 
-import re
-import signal
+import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from zlm.core.report import Reporter
+from zlm.data import catalog
 from zlm.data.dataset import Dataset
+from zlm.data.prepare import PrepareConfig, prepare
 from zlm.errors import UsageError
+from zlm.model.lm import ModelConfig
+from zlm.training import distributed
+from zlm.training.config import TrainConfig, configure
+from zlm.training.launch import Interrupted, WorkersFailed, run_local
+from zlm.training.presets import get_preset
+from zlm.training.run_dir import RunDir, default_run_dir
+from zlm.training.trainer import Trainer
 
 
 @dataclass(frozen=True)
 class TrainRequest:
     """What the user asked `zlm train` for, before resolution."""
 
-    source: str
-    out: Path | None = None
+    source: str  # a DATA_DIR, a text file or a corpus name
+    out: Path | None = None  # RUN_DIR (default: runs/<source name>)
     resume: bool = False
-    preset: str | None = None
-    overrides: dict = field(default_factory=dict)
-    time_budget: str | None = None
-    nproc: int | None = None
-    sample_chars: int = 0
-    mirror: Path | None = None
+    preset: str | None = None  # None: the default preset, said at start
+    options: dict = field(default_factory=dict)  # {config field: value}; None = not given
+    nproc: int | None = None  # launch this many local processes
+    mirror: Path | None = None  # local copy of named corpora
+    unknown: str | None = None  # raw sources: zlm prepare's --unknown (default: include)
 
 
-def default_run_dir(source: str, resume: bool) -> Path:
-    """runs/<name>; without --resume a taken name gets a -2, -3, ... suffix."""
-    name = re.sub(r"[^\w.-]+", "-", Path(source.rstrip("/")).name.split(".")[0]) or "run"
-    base = Path("runs") / name
-    if resume or not base.exists() or not any(base.iterdir()):
-        return base
-    k = 2
-    while (Path("runs") / f"{name}-{k}").exists():
-        k += 1
-    return Path("runs") / f"{name}-{k}"
+@dataclass(frozen=True)
+class Plan:
+    """A resolved request: where, on what, with which configs."""
+
+    run_dir: Path
+    data_path: Path
+    model: ModelConfig
+    train: TrainConfig
+    resume: bool
 
 
-def open_or_prepare(source: str, run_dir: Path, mirror: Path | None, rep: Reporter) -> Dataset:
-    """A prepared DATA_DIR as it is; anything else is prepared into RUN_DIR/data (char)."""
+@dataclass(frozen=True)
+class Outcome:
+    """How training ended: the trainer's summary, or the signal that interrupted it."""
+
+    run_dir: Path
+    summary: dict
+    interrupted: str | None = None  # SIGINT / SIGTERM name
+
+
+def plan_run(req: TrainRequest, rep: Reporter) -> Plan:
+    """Check, prepare and resolve once (rank 0); other ranks wait for rank 0's data."""
+    resume = req.resume or distributed.restart_count() > 0  # a relaunched worker resumes
+    # Under torchrun every rank must agree on the run directory: never pick a -2 suffix there.
+    run_dir = req.out or default_run_dir(req.source, resume or distributed.world_from_env() > 1)
+    if distributed.rank_from_env() == 0:
+        RunDir(run_dir).check(resume)
+        data = open_or_prepare(req.source, run_dir, req.mirror, rep, req.unknown)
+    else:  # prepared data is read-only once rank 0 has written it
+        data = _wait_for_data(req.source, run_dir)
+    preset = get_preset(req.preset)
+    if req.preset is None:
+        rep.message(f"no --preset given: using {preset.name} (explicit options override it)")
+    model, train = configure(preset.model, preset.train, data.vocab_size, req.options)
+    return Plan(run_dir, data.path, model, train, resume)
+
+
+def run_training(req: TrainRequest, reporter: Reporter | None = None) -> Outcome:
+    """Plan, then train here or in `--nproc` local processes."""
+    if req.nproc is not None and req.nproc > 1:
+        if "WORLD_SIZE" in os.environ and "TORCHELASTIC_RUN_ID" in os.environ:
+            raise UsageError("--nproc starts its own processes; under torchrun leave --nproc out")
+        rep = reporter or Reporter()
+        plan = plan_run(req, rep)
+        _check_devices(plan.train.device, req.nproc)
+        return _launch(plan, req, rep)
+    rep = reporter if distributed.rank_from_env() == 0 and reporter is not None else Reporter()
+    plan = plan_run(req, rep)
+    return _train(plan, rep)
+
+
+def _train(plan: Plan, rep: Reporter) -> Outcome:
+    data = Dataset.open(plan.data_path)
+    summary = Trainer(plan.run_dir, data, plan.model, plan.train, resume=plan.resume, reporter=rep).fit()
+    return Outcome(plan.run_dir, summary, summary.get("interrupted"))
+
+
+def _train_worker(plan: Plan, print_progress: bool) -> None:
+    """One rank of `zlm train --nproc`: the planned run, under the launcher's environment."""
+    from zlm.core.progress import make_reporter
+
+    rep = make_reporter() if print_progress and distributed.rank_from_env() == 0 else Reporter()
+    _train(plan, rep)
+
+
+def _launch(plan: Plan, req: TrainRequest, rep: Reporter) -> Outcome:
+    rep.message(f"launching {req.nproc} processes (torch elastic agent, standalone rendezvous)")
+    again = f"zlm train {req.source} --out {plan.run_dir} --nproc {req.nproc} --resume"
+    try:
+        run_local(_train_worker, (plan, type(rep) is not Reporter), req.nproc)
+    except Interrupted as e:
+        return Outcome(plan.run_dir, {}, e.signal.name)
+    except WorkersFailed as e:
+        raise WorkersFailed(f"{e}; continue from the last complete checkpoint with {again}", e.exit_code) from None
+    return Outcome(plan.run_dir, {})
+
+
+def open_or_prepare(source: str, run_dir: Path, mirror: Path | None, rep: Reporter,
+                    unknown: str | None = None) -> Dataset:
+    """A prepared DATA_DIR as it is; anything else is prepared into RUN_DIR/data (char).
+
+    A text file's vocabulary is every character of the whole file (`--unknown include`,
+    as char-rnn and nanoGPT build it), so any UTF-8 text trains without flags; a named
+    corpus keeps its own convention. `unknown` overrides both.
+    """
     src = Path(source)
     if src.is_dir() and (src / "dataset.json").exists():
         return Dataset.open(src)
-    from zlm.data import catalog
-
     if not src.exists() and source not in catalog.names():
         raise UsageError(f"{source}: no such file, directory or corpus name; pass a text file, a "
                          f"DATA_DIR from zlm prepare, or one of {', '.join(catalog.names())}")
@@ -58,59 +137,14 @@ def open_or_prepare(source: str, run_dir: Path, mirror: Path | None, rep: Report
     if (data_dir / "dataset.json").exists():
         rep.message(f"using the data already prepared in {data_dir}")
         return Dataset.open(data_dir)
-    from zlm.data.prepare import PrepareConfig, prepare
-
-    rep.message(f"preparing {source} into {data_dir} (char tokenizer, 90/5/5 split)")
-    return prepare(source, data_dir, PrepareConfig(mirror=mirror))
-
-
-def run_training(req: TrainRequest, reporter: Reporter | None = None) -> int:
-    """Train as requested. Returns the process exit code (0, or 130/143 if interrupted)."""
-    from zlm.core.progress import make_reporter
-    from zlm.training.config import parse_duration, resolve
-    from zlm.training.trainer import check_run_dir, train
-
-    if req.nproc is not None and req.nproc > 1:
-        from zlm.training.launch import launch_local
-
-        return launch_local(req)
-    import os
-
-    from zlm.training.distributed import restart_count
-
-    is_main = int(os.environ.get("RANK", "0")) == 0
-    rep = reporter or (make_reporter() if is_main else Reporter())  # only rank 0 prints
-    resume = req.resume or restart_count() > 0  # a worker relaunched by torchrun resumes
-    # Under torchrun every rank must agree on the run directory: never pick a -2 suffix there.
-    run_dir = req.out or default_run_dir(req.source, resume or int(os.environ.get("WORLD_SIZE", "1")) > 1)
-    if is_main:
-        check_run_dir(run_dir, resume)
-    overrides = dict(req.overrides)
-    if req.time_budget is not None:
-        overrides["time_budget"] = parse_duration(req.time_budget)
-    data = open_or_prepare(req.source, run_dir, req.mirror, rep) if is_main else None
-    if not is_main:  # other ranks wait for rank 0 to prepare; prepared data is then read-only
-        data = _wait_for_data(req.source, run_dir)
-    model_cfg, train_cfg, preset = resolve(data.vocab_size, req.preset, overrides)
-    if req.preset is None:
-        rep.message(f"no --preset given: using {preset} (explicit options override it)")
-    summary = train(run_dir, data, model_cfg, train_cfg, resume=resume, reporter=rep)
-    if summary.get("interrupted"):
-        rep.message(f"interrupted at step {summary['step']}: checkpoint saved; continue with "
-                    f"zlm train {req.source} --out {run_dir} --resume")
-        return 128 + int(getattr(signal, summary["interrupted"]))
-    if req.sample_chars > 0 and is_main:
-        from zlm.inference.sample import SampleConfig, load_model, sample_text
-
-        lm = load_model(run_dir)
-        text = sample_text(lm, SampleConfig(length=req.sample_chars, temperature=0.8, seed=0))
-        rep.message("sample:\n" + text)
-    return 0
+    if unknown is None and source not in catalog.names():
+        unknown = "include"
+    vocab = {"include": ", vocabulary from the whole text", "replace": ", unseen characters -> U+FFFD"}
+    rep.message(f"preparing {source} into {data_dir} (char tokenizer, 90/5/5 split{vocab.get(unknown, '')})")
+    return prepare(source, data_dir, PrepareConfig(mirror=mirror, unknown=unknown))
 
 
 def _wait_for_data(source: str, run_dir: Path, timeout: float = 3600.0) -> Dataset:
-    import time
-
     src = Path(source)
     path = src if (src / "dataset.json").exists() else run_dir / "data"
     deadline = time.time() + timeout
@@ -119,3 +153,14 @@ def _wait_for_data(source: str, run_dir: Path, timeout: float = 3600.0) -> Datas
             raise UsageError(f"rank 0 did not prepare {path} within {timeout:.0f}s")
         time.sleep(0.5)
     return Dataset.open(path)
+
+
+def _check_devices(device: str, nproc: int) -> None:
+    import torch
+
+    if device == "cpu" or not torch.cuda.is_available():
+        return
+    n = torch.cuda.device_count()
+    if nproc > n:
+        raise UsageError(f"--nproc {nproc} but this machine has {n} CUDA device(s), one per process; "
+                         f"pass --nproc {n} or --device cpu")

@@ -8,7 +8,7 @@ little state (`state_dict`) that changes only when validation reports a BPC.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from zlm.errors import UsageError
 
@@ -79,6 +79,3 @@ class LRSchedule:
 
     def load_state_dict(self, state: dict) -> None:
         self.scale, self.best, self.bad = float(state["scale"]), float(state["best"]), int(state["bad"])
-
-    def describe(self) -> str:
-        return ", ".join(f"{k}={v}" for k, v in asdict(self.cfg).items())

@@ -1,107 +1,357 @@
-"""The training loop: loss, backward, clip, step, log, validate, checkpoint, resume.
+"""The Trainer: `fit()` runs `train_step` / `validate` / `save` until the run is done.
 
-`train(run_dir, dataset, model_config, train_config)` is the whole job. Everything that
-resumes is stateful (model, optimizer, grad scaler, batch streams, carried hidden state,
-RNG, schedule, best BPC), so `--resume` continues exactly: a run of 2N steps and a run
-of N steps + resume + N steps produce bit-identical losses on CPU.
+`train(run_dir, data, model_config, train_config)` is the whole job for library callers.
+Everything that resumes is stateful and goes through one `Checkpointer` mapping (model,
+optimizer, grad scaler, batch streams, schedule, `TrainState`, RNG) plus the carried
+hidden state, so `--resume` continues exactly: a run of 2N steps and a run of N steps +
+resume + N steps produce bit-identical losses on CPU.
+
+Parallelism (DDP, ZeRO), precision (autocast, GradScaler) and CUDA graphs are applied
+from outside the model: `distributed.setup` wraps it, `Runtime` casts, `WindowStep`
+replays `forward_backward` from a graph.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import shutil
 import signal
+import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from zlm.core import checkpoint as ckpt
-from zlm.core.metrics import LN2, MetricsLog
-from zlm.core.precision import resolve_runtime
+from zlm.core.metrics import LN2
+from zlm.core.precision import Runtime, resolve_device
 from zlm.core.report import Reporter
 from zlm.core.scoring import EvalProtocol, score_split
 from zlm.data.dataset import Dataset
-from zlm.data.streams import make_streams
-from zlm.errors import NonFiniteError, UsageError, ZlmError
-from zlm.model.cells import choose_cell
-from zlm.model.lm import ModelConfig, ZoneoutLM
+from zlm.data.streams import Batch, make_streams
+from zlm.errors import NonFiniteError
+from zlm.model.lm import ModelConfig, State, ZoneoutLM, token_nll
 from zlm.training import distributed
-from zlm.training.graphs import GRAPH_MODES, WindowStep, graphs_unavailable_reason, resolve_graphs
-from zlm.training.schedule import LRSchedule, ScheduleConfig
-from zlm.training.state import load_trainer_state, save_training_checkpoint
-from zlm.version import __version__
-
-OPTIMIZERS = ("adam", "adamw", "sgd")
-_MAX_LR = 3.4e37  # float32 max / 10: a larger lr overflows inside Adam's first step
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """How to train (stored in config.json)."""
-
-    batch_size: int = 32  # streams per rank
-    bptt: int = 100  # truncated backprop window, tokens
-    lr: float = 2e-3
-    optimizer: str = "adam"  # adam | adamw | sgd (momentum 0.9)
-    weight_decay: float = 0.0
-    clip: float = 1.0  # max global gradient norm; 0 turns clipping off
-    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
-    epochs: float | None = None  # stop after this many passes over the training split
-    max_steps: int | None = None  # stop after this many optimizer steps
-    time_budget: float | None = None  # stop after this many seconds of training (total)
-    eval_every: int = 500  # validate (and checkpoint) every N steps, and at the end
-    eval_streams: int = 16  # parallel streams for validation (EvalProtocol)
-    state: str = "carry"  # carry: TBPTT streams, state carried | reset: paper's shuffled chunks
-    reset_prob: float = 0.0  # carry: chance a stream's state is zeroed before a window
-    seed: int = 1234
-    device: str = "auto"
-    precision: str = "auto"
-    cell: str = "auto"  # auto | fused | reference
-    cuda_graphs: str = "auto"  # auto | on | off: replay training windows from CUDA graphs
-    keep_last: int = 3  # step checkpoints kept (plus best/)
-    log_every: int = 10  # steps between log lines
-    max_nonfinite: int = 5  # non-finite losses in a row before training stops
-    zero: bool = False  # shard optimizer state (ZeroRedundancyOptimizer) under DDP
-
-    def __post_init__(self):
-        if isinstance(self.schedule, dict):
-            object.__setattr__(self, "schedule", ScheduleConfig(**self.schedule))
-        for name in ("batch_size", "bptt", "eval_every", "eval_streams", "keep_last", "log_every",
-                     "max_nonfinite"):
-            if getattr(self, name) < 1:
-                raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if not 0 < self.lr <= _MAX_LR:  # (also refuses nan)
-            raise UsageError(f"--lr must be > 0 and at most {_MAX_LR:.1e} (Adam's first step, "
-                             f"10 x lr, must fit in float32), got {self.lr}")
-        if self.clip < 0:
-            raise UsageError(f"--clip must be >= 0 (0 turns clipping off), got {self.clip}")
-        if self.optimizer not in OPTIMIZERS:
-            raise UsageError(f"unknown optimizer {self.optimizer!r}; pass --optimizer adam, adamw or sgd")
-        if self.cuda_graphs not in GRAPH_MODES:
-            raise UsageError(f"unknown --cuda-graphs {self.cuda_graphs!r}; pass auto, on or off")
-        if not 0.0 <= self.reset_prob < 1.0:
-            raise UsageError(f"--reset-prob must be in [0, 1), got {self.reset_prob}")
-        if self.state not in ("carry", "reset"):
-            raise UsageError(f"unknown state protocol {self.state!r}; pass --state carry or reset")
-        for name in ("epochs", "max_steps", "time_budget"):
-            v = getattr(self, name)
-            if v is not None and v <= 0:
-                raise UsageError(f"--{name.replace('_', '-')} must be > 0, got {v}")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+from zlm.training.config import TrainConfig
+from zlm.training.graphs import WindowStep, graphs_unavailable_reason, resolve_graphs
+from zlm.training.resolve import Resolved, cell_for, resolve_fresh, stored
+from zlm.training.run_dir import RunDir
+from zlm.training.schedule import LRSchedule
+from zlm.training.state import Checkpointer, RNGState, TrainState
 
 
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> tuple[type, dict]:
+def train(run_dir: Path, data: Dataset, model_config: ModelConfig, cfg: TrainConfig, *,
+          resume: bool = False, reporter: Reporter | None = None, fault=None) -> dict:
+    """Train a zoneout LM on a prepared dataset into run_dir. Returns the summary dict.
+
+    Without `resume`, a run_dir holding anything but data/ is refused. `fault(step, loss)
+    -> loss` is a test hook to inject non-finite values.
+    """
+    if distributed.rank_from_env() == 0:
+        RunDir(Path(run_dir)).check(resume or distributed.restart_count() > 0)
+    return Trainer(run_dir, data, model_config, cfg, resume=resume, reporter=reporter, fault=fault).fit()
+
+
+def build_optimizer(cfg: TrainConfig) -> tuple[type, dict]:
     """The optimizer class and its keyword arguments (ZeRO wraps the same pair)."""
     if cfg.optimizer == "sgd":
         return torch.optim.SGD, dict(lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay)
     cls = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
     return cls, dict(lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def forward_backward(model, runtime, scaler, x, y, h0, c0, *, cache: bool = True, fault=None, step: int = 0):
+    """(T, B) inputs and targets, state (L, B, H) -> (mean nats per token, h_T, c_T).
+
+    Gradients are left in param.grad (scaled when fp16's scaler is on). The state
+    returned is detached fp32. This is what `WindowStep` captures into a CUDA graph
+    (cache=False there: autocast's weight cache must not outlive the capture).
+    """
+    with runtime.autocast(cache=cache):
+        logits, (h, c) = model(x, (h0, c0))  # (T, B, V)
+    loss = token_nll(logits, y) / y.numel()  # mean nats per token, fp32
+    if fault is not None:
+        loss = fault(step, loss)
+    scaler.scale(loss).backward()
+    return loss.detach(), h.detach().float(), c.detach().float()
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step reports: the mean loss over all ranks (nats per token)."""
+
+    loss: float
+    local_loss: float
+    grad_norm: float
+    finite: bool
+    tokens: int
+
+
+class Trainer:
+    """One training run: model, optimizer, streams and state, built (or resumed) at init."""
+
+    def __init__(self, run_dir, data: Dataset, model_config: ModelConfig, cfg: TrainConfig, *,
+                 resume: bool = False, reporter: Reporter | None = None, fault=None):
+        self.run_dir, self.data, self.cfg, self.fault = Path(run_dir), data, cfg, fault
+        device = resolve_device(cfg.device, distributed.local_rank())
+        self.par = par = distributed.setup(device, zero=cfg.zero)
+        self.rep = reporter if reporter is not None and par.is_main else Reporter()
+        if par.restarted and not resume:  # an elastic agent relaunched the job after a failure
+            self.rep.message(f"elastic restart {distributed.restart_count()}: resuming from the latest checkpoint")
+            resume = True
+        latest = self._find_latest() if resume else None
+        # Resolve once: rank 0 decides (from the checkpoint when resuming), every rank follows.
+        self.resolved = par.broadcast_object(self._resolve(model_config, latest, device) if par.is_main else None)
+        self.runtime = Runtime(device, self.resolved.precision)
+        torch.manual_seed(cfg.seed + par.rank)
+        self.cell = cell_for(self.resolved, model_config, device, self.rep.message)
+        self.model = ZoneoutLM(model_config, self.cell.fn).to(self.runtime.device)
+        self.ddp_model = par.wrap_model(self.model)
+        opt_cls, opt_kw = build_optimizer(cfg)
+        self.optimizer = par.make_optimizer(opt_cls, self.model.parameters(), **opt_kw)
+        self.scaler = self.runtime.grad_scaler()
+        self.streams = make_streams(cfg.state, data.tokens("train"), cfg.batch_size, cfg.bptt, cfg.seed,
+                                    par.rank, par.world)
+        self.total_steps = _planned_steps(cfg, self.streams.windows_per_epoch)
+        self.schedule = LRSchedule(cfg.schedule, cfg.lr, self.total_steps, cfg.time_budget)
+        self.state, self.carried = TrainState(), None
+        self.run = RunDir(self.run_dir)
+        self.config = self.run.config(model_config, cfg, data, par.world, self.resolved.to_dict())
+        self.checkpointer = Checkpointer(self.run_dir, self.config, data, par, cfg.keep_last)
+        self.resumed_from = self._load(latest) if latest is not None else None
+        self.log = self.run.open(self.config) if par.is_main else None
+        self.use_graphs, self.graphs_line = resolve_graphs(cfg.cuda_graphs, graphs_unavailable_reason(
+            self.runtime, self.cell.name, par.world, self.scaler.is_enabled(), hooked=fault is not None))
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.window = WindowStep(self._forward_backward, params, graphs=self.use_graphs)
+        info = data.split_info("train")
+        self.chars_per_token = info.characters / max(info.tokens, 1)
+
+    @property
+    def parts(self) -> dict:
+        """The stateful parts a checkpoint holds (each has state_dict / load_state_dict)."""
+        return {"model": self.model, "optimizer": self.optimizer, "scaler": self.scaler,
+                "streams": self.streams, "schedule": self.schedule, "train_state": self.state,
+                "rng": RNGState(self.runtime.device)}
+
+    def _find_latest(self) -> Path | None:
+        """The latest complete checkpoint rank 0 finds (every rank gets the same one)."""
+        latest = ckpt.latest_complete(self.run_dir, warn=self.rep.message) if self.par.is_main else None
+        latest = self.par.broadcast_object(latest)
+        if latest is None:
+            self.rep.message(f"no complete checkpoint in {self.run_dir}: starting fresh")
+        return latest
+
+    def _resolve(self, model_config: ModelConfig, latest: Path | None, device) -> Resolved:
+        if latest is not None:
+            return stored(latest, device)
+        return resolve_fresh(self.cfg, model_config, device, self.rep.message)
+
+    def _load(self, latest: Path) -> Path:
+        """Every part, the carried state included, from `latest`."""
+        self.carried = self.checkpointer.load(latest, self.parts, warn=self.rep.message)
+        self.rep.message(f"resumed from {latest} at step {self.state.step}")
+        return latest
+
+    # ------------------------------------------------------------------ the loop
+
+    def fit(self) -> dict:
+        """Train until the step, epoch or time budget is reached, or a signal arrives."""
+        self._announce()
+        meter = _Meter(self.state)
+        with _StopFlag() as stop:
+            while True:
+                self.state.elapsed = meter.elapsed()
+                if self.done() or stop.signal is not None:
+                    break
+                result = self.train_step(self.streams.next())
+                self._record(result, meter)
+                if self.state.step % self.cfg.eval_every == 0:
+                    self.validate()
+                    self.save("every --eval-every steps")
+            self.state.elapsed = meter.elapsed()
+            if stop.signal is None and (self.state.step % self.cfg.eval_every != 0 or self.state.step == 0):
+                self.validate()
+                self.save("end of training")
+            elif stop.signal is not None:
+                self.save("interrupted by " + signal.Signals(stop.signal).name)
+        return self._finish(stop.signal)
+
+    def done(self) -> bool:
+        """The planned steps (--max-steps, --epochs) are taken or the --time-budget is spent."""
+        s = self.state
+        if self.total_steps is not None and s.step >= self.total_steps:
+            return True
+        return self.cfg.time_budget is not None and s.elapsed >= self.cfg.time_budget
+
+    def train_step(self, batch: Batch) -> StepResult:
+        """One optimizer step on one TBPTT window: schedule, forward, loss, backward, clip, update."""
+        cfg, s, par = self.cfg, self.state, self.par
+        x = batch.inputs.to(self.runtime.device, non_blocking=True)  # (T, B)
+        y = batch.targets.to(self.runtime.device, non_blocking=True)  # (T, B)
+        carried = self._carried_for(batch, x.shape[1])
+        for g in self.optimizer.param_groups:
+            g["lr"] = self.schedule.lr(s.step, s.elapsed)
+        self.ddp_model.train()
+        loss, new_state = self.window(x, y, carried)  # forward + loss + backward (maybe a graph replay)
+        self.scaler.unscale_(self.optimizer)
+        gnorm = torch.nn.utils.clip_grad_norm_(self.window.params, cfg.clip if cfg.clip > 0 else math.inf)
+        local_loss, gnorm = loss.item(), float(gnorm)  # host syncs: one each for loss and norm
+        # One all-reduce: every rank takes the same skip decision (ZeRO's step is a
+        # collective) and rank 0 logs the mean loss over all ranks' streams.
+        loss_sum, n_bad = par.sum([local_loss, 0.0 if math.isfinite(local_loss) and math.isfinite(gnorm) else 1.0])
+        finite = n_bad == 0
+        if finite or self.scaler.is_enabled():
+            self.scaler.step(self.optimizer)  # the fp16 scaler skips non-finite steps itself
+            self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        s.step += 1
+        s.epoch = self.streams.progress
+        self.carried = new_state if finite else None  # a poisoned state restarts from zero
+        return StepResult(loss_sum / par.world, local_loss, gnorm, finite, y.numel())
+
+    def _forward_backward(self, x, y, h0, c0):
+        return forward_backward(self.ddp_model, self.runtime, self.scaler, x, y, h0, c0,
+                                cache=not self.use_graphs, fault=self.fault, step=self.state.step)
+
+    def _carried_for(self, batch: Batch, streams: int) -> State:
+        """The state this window starts from: zero at a reset, else carried (--reset-prob)."""
+        if batch.reset or self.carried is None:
+            return self.model.initial_state(streams, self.runtime.device)
+        if self.cfg.reset_prob > 0:
+            return reset_some(self.carried, self.cfg.reset_prob, (self.cfg.seed, self.par.rank, self.state.step))
+        return self.carried
+
+    def validate(self) -> float:
+        """Valid BPC over the whole split (all ranks); best/ is updated when it improves."""
+        s, vinfo = self.state, self.data.split_info("valid")
+        score = score_split(self.model, self.data.tokens("valid"), self.data.tokenizer, vinfo.characters,
+                            vinfo.bytes, self.runtime, EvalProtocol(self.cfg.eval_streams), self.par.sum,
+                            self.par.rank, self.par.world)
+        bpc = score.bpc
+        improved = math.isfinite(bpc) and bpc < s.best_bpc
+        if not math.isfinite(bpc):
+            self.rep.message(f"warning: validation BPC at step {s.step} is {bpc}; best/ keeps "
+                             f"{'the previous best' if math.isfinite(s.best_bpc) else 'nothing yet'}")
+        if improved:
+            s.best_bpc = bpc
+        self.schedule.observe(bpc)
+        s.valid_bpc = bpc
+        if self.par.is_main:
+            rec = {"step": s.step, "epoch": s.epoch, "valid_bpc": bpc, "valid_ppl": score.perplexity,
+                   "valid_bits_per_byte": score.bits_per_byte, "best_bpc": s.best_bpc,
+                   "tokens": score.tokens, "characters": score.characters}
+            self.log.write("eval", **rec)
+            self.rep.eval(rec)
+            if improved:
+                self.run.write_best(self.model, self.config, self.data, s.step, bpc)
+        return bpc
+
+    def save(self, reason: str) -> Path | None:
+        """A training checkpoint of every part (rank 0 writes; every rank takes part)."""
+        path = self.checkpointer.save(self.parts, self.carried)
+        if path is not None:
+            self.state.last_good = str(path)
+            self.rep.message(f"checkpoint {path.name} saved ({reason})")
+            self.log.write("checkpoint", step=self.state.step, path=str(path), reason=reason)
+        return path
+
+    # ------------------------------------------------------------ reporting
+
+    def _announce(self) -> None:
+        info = self.data.split_info("train")
+        self.rep.start({
+            "run": str(self.run_dir), "parameters": f"{self.model.num_parameters():,}",
+            "cell": f"{self.cell.name} ({self.cell.reason})",
+            "runtime": f"{self.runtime.describe()} ({self.resolved.why})",
+            "cuda graphs": self.graphs_line, "processes": self.par.describe(),
+            "data": f"{self.data.path} ({self.data.meta['tokenizer']['kind']}, vocab {self.data.vocab_size}, "
+                    f"{info.tokens:,} train tokens)",
+            "plan": describe_plan(self.cfg, self.total_steps, self.streams.windows_per_epoch),
+        })
+        if self.par.is_main:
+            self.log.write("start", parameters=self.model.num_parameters(), cell=self.cell.name,
+                           runtime=self.runtime.describe(), cuda_graphs=self.use_graphs,
+                           world_size=self.par.world, step=self.state.step,
+                           resumed_from=str(self.resumed_from) if self.resumed_from else None)
+
+    def _record(self, r: StepResult, meter: _Meter) -> None:
+        """Log one step; every --log-every steps a train line with BPC, speed and ETA."""
+        s, par = self.state, self.par
+        if r.finite:
+            s.nonfinite = 0
+            meter.add(r.loss, r.tokens)
+            if par.is_main:
+                self.log.write("step", step=s.step, loss=r.loss, grad_norm=r.grad_norm,
+                               lr=self.optimizer.param_groups[0]["lr"])
+        else:
+            self._nonfinite(r)
+        if s.step % self.cfg.log_every == 0 and meter.tokens:
+            rec = meter.record(s, self.optimizer.param_groups[0]["lr"], self.total_steps, self.cfg.time_budget,
+                               self.chars_per_token, self.par.world)
+            if par.is_main:
+                self.log.write("train", **rec)
+            self.rep.log(rec)
+
+    def _nonfinite(self, r: StepResult) -> None:
+        s = self.state
+        s.nonfinite += 1
+        self.rep.message(f"step {s.step}: non-finite loss or gradient ({r.local_loss}), "
+                         f"update skipped ({s.nonfinite} in a row)")
+        if self.par.is_main:
+            self.log.write("nonfinite", step=s.step, loss=r.local_loss, grad_norm=r.grad_norm)
+        if s.nonfinite >= self.cfg.max_nonfinite:
+            raise NonFiniteError(
+                f"{s.nonfinite} non-finite losses in a row at step {s.step}; the last good "
+                f"checkpoint is {s.last_good or 'none yet'}; lower --lr or --clip and resume with --resume")
+
+    def _finish(self, interrupted: int | None) -> dict:
+        s = self.state
+        summary = {"step": s.step, "best_valid_bpc": s.best_bpc, "elapsed_s": round(s.elapsed, 1),
+                   "run": str(self.run_dir),
+                   "interrupted": signal.Signals(interrupted).name if interrupted else None}
+        if self.par.is_main:
+            self.log.write("finish", **summary)
+            self.log.close()
+        self.rep.finish(summary)
+        self.par.close()
+        if interrupted is None and not math.isfinite(s.best_bpc):
+            raise NonFiniteError(
+                f"validation BPC was never finite (last: {s.valid_bpc} at step {s.step}), so "
+                f"no best checkpoint was written; the model diverged: lower --lr or --clip and train again")
+        return summary
+
+
+class _Meter:
+    """Wall time of this session, and the train-BPC window between two log lines."""
+
+    def __init__(self, state: TrainState):
+        self.start_elapsed, self.start_step = state.elapsed, state.step
+        self.t0 = self.window_t0 = time.perf_counter()
+        self.nats, self.tokens = 0.0, 0
+
+    def elapsed(self) -> float:
+        return self.start_elapsed + time.perf_counter() - self.t0
+
+    def add(self, loss: float, tokens: int) -> None:
+        self.nats += loss * tokens
+        self.tokens += tokens
+
+    def record(self, s: TrainState, lr: float, total_steps: int | None, budget: float | None,
+               chars_per_token: float, world: int) -> dict:
+        """The train line: BPC over the window, characters/s (all ranks), ETA; starts a new window."""
+        now = time.perf_counter()
+        elapsed = self.start_elapsed + now - self.t0
+        s_per_step = (now - self.t0) / (s.step - self.start_step)
+        etas = [max(budget - elapsed, 0.0)] if budget is not None else []
+        if total_steps is not None:
+            etas.append(s_per_step * max(total_steps - s.step, 0))
+        rec = {"step": s.step, "epoch": s.epoch,
+               "train_bpc": self.nats / self.tokens / chars_per_token / LN2, "valid_bpc": s.valid_bpc,
+               "chars_per_s": self.tokens * world * chars_per_token / (now - self.window_t0), "lr": lr, "elapsed": elapsed, "eta": min(etas) if etas else None, "total_steps": total_steps}
+        self.nats, self.tokens, self.window_t0 = 0.0, 0, now
+        return rec
 
 
 class _StopFlag:
@@ -112,7 +362,7 @@ class _StopFlag:
         self._old = {}
 
     def __enter__(self):
-        if _in_main_thread():
+        if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._old[sig] = signal.signal(sig, self._handle)
         return self
@@ -127,232 +377,7 @@ class _StopFlag:
             signal.signal(sig, old)
 
 
-def _in_main_thread() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()
-
-
-def check_run_dir(run_dir: Path, resume: bool) -> None:
-    """Without --resume, an existing non-empty RUN_DIR is refused (data/ alone is reused)."""
-    if not resume and run_dir.exists() and any(p.name != "data" for p in run_dir.iterdir()):
-        raise UsageError(
-            f"{run_dir} already exists and is not empty; pass --resume to continue it, "
-            f"or --out to choose another run directory"
-        )
-
-
-def train(
-    run_dir: Path,
-    data: Dataset,
-    model_config: ModelConfig,
-    cfg: TrainConfig,
-    *,
-    resume: bool = False,
-    reporter: Reporter | None = None,
-    fault=None,
-) -> dict:
-    """Train a zoneout LM on a prepared dataset into run_dir. Returns a summary dict.
-
-    `fault(step, loss) -> loss` is a test hook to inject non-finite values.
-    """
-    run_dir = Path(run_dir)
-    rep = reporter or Reporter()
-    runtime = resolve_runtime(cfg.device, cfg.precision, distributed.local_rank())
-    par = distributed.setup(runtime.device, zero=cfg.zero)
-    if not par.is_main:
-        rep = Reporter()
-    if par.restarted and not resume:  # an elastic agent relaunched the job after a failure
-        rep.message(f"elastic restart {distributed.restart_count()}: resuming from the latest checkpoint")
-        resume = True
-    if par.is_main:
-        check_run_dir(run_dir, resume)
-    latest = ckpt.latest_complete(run_dir, warn=rep.message) if resume and par.is_main else None
-    latest = par.broadcast_object(latest)  # every rank resumes from the checkpoint rank 0 found
-    if resume and latest is None:
-        rep.message(f"no complete checkpoint in {run_dir}: starting fresh")
-
-    torch.manual_seed(cfg.seed + par.rank)
-    cell = choose_cell(cfg.cell, runtime.device)
-    model = ZoneoutLM(model_config, cell.fn).to(runtime.device)
-    ddp_model = par.wrap_model(model)
-    opt_cls, opt_kw = build_optimizer(model, cfg)
-    optimizer = par.make_optimizer(opt_cls, model.parameters(), **opt_kw)
-    scaler = runtime.grad_scaler()
-    train_tokens = data.tokens("train")
-    streams = make_streams(cfg.state, train_tokens, cfg.batch_size, cfg.bptt, cfg.seed, par.rank, par.world)
-    info = data.split_info("train")
-    chars_per_token = info.characters / max(info.tokens, 1)
-    steps_per_epoch = streams.windows_per_epoch
-    total_steps = _planned_steps(cfg, steps_per_epoch)
-    sched = LRSchedule(cfg.schedule, cfg.lr, total_steps, cfg.time_budget)
-
-    config = {
-        "zlm_version": __version__,
-        "model": model_config.to_dict(),
-        "train": cfg.to_dict(),
-        "data": {"path": str(Path(data.path).resolve()), "tokenizer": data.meta["tokenizer"],
-                 "unit": data.meta.get("unit", "character")},
-        "world_size": par.world,
-    }
-    t = {"step": 0, "elapsed": 0.0, "best_bpc": math.inf, "nonfinite": 0, "last_good": None}
-    state = None
-    if latest is not None:
-        t, state = load_trainer_state(latest, model, optimizer, scaler, streams, sched, runtime, par,
-                                      warn=rep.message)
-        rep.message(f"resumed from {latest} at step {t['step']}")
-    log = _open_run_dir(run_dir, config) if par.is_main else None
-
-    def save(reason: str) -> Path | None:
-        path = save_training_checkpoint(run_dir, t, model, optimizer, scaler, streams, sched,
-                                        state, config, data, par, cfg.keep_last)
-        if path is not None:
-            t["last_good"] = str(path)
-            rep.message(f"checkpoint {path.name} saved ({reason})")
-            log.write("checkpoint", step=t["step"], path=str(path), reason=reason)
-        return path
-
-    def validate() -> float:
-        vinfo = data.split_info("valid")
-        score = score_split(model, data.tokens("valid"), data.tokenizer, vinfo.characters,
-                            vinfo.bytes, runtime, EvalProtocol(cfg.eval_streams), par.sum,
-                            par.rank, par.world)
-        bpc = score.bpc
-        improved = math.isfinite(bpc) and bpc < t["best_bpc"]
-        if not math.isfinite(bpc):
-            rep.message(f"warning: validation BPC at step {t['step']} is {bpc}; best/ keeps "
-                        f"{'the previous best' if math.isfinite(t['best_bpc']) else 'nothing yet'}")
-        if improved:
-            t["best_bpc"] = bpc
-        sched.observe(bpc)
-        if par.is_main:
-            rec = {"step": t["step"], "epoch": t.get("epoch", 0.0), "valid_bpc": bpc,
-                   "valid_ppl": score.perplexity, "valid_bits_per_byte": score.bits_per_byte,
-                   "best_bpc": t["best_bpc"], "tokens": score.tokens, "characters": score.characters}
-            log.write("eval", **rec)
-            rep.eval(rec)
-            if improved:
-                _write_best(run_dir, model, config, data, t["step"], bpc)
-        t["valid_bpc"] = bpc
-        return bpc
-
-    use_graphs, graphs_line = resolve_graphs(cfg.cuda_graphs, graphs_unavailable_reason(
-        runtime, cell.name, par.world, scaler.is_enabled(), hooked=fault is not None))
-    rep.start({
-        "run": str(run_dir), "parameters": f"{model.num_parameters():,}",
-        "cell": f"{cell.name} ({cell.reason})", "runtime": runtime.describe(),
-        "cuda graphs": graphs_line,
-        "processes": par.describe(), "data": f"{data.path} ({data.meta['tokenizer']['kind']}, "
-        f"vocab {data.vocab_size}, {info.tokens:,} train tokens)",
-        "plan": _describe_plan(cfg, total_steps, steps_per_epoch),
-    })
-    if par.is_main:
-        log.write("start", parameters=model.num_parameters(), cell=cell.name, runtime=runtime.describe(),
-                  cuda_graphs=use_graphs,
-                  world_size=par.world, resumed_from=str(latest) if latest else None, step=t["step"])
-
-    params = [p for p in model.parameters()]
-    window = WindowStep(ddp_model, runtime, scaler, graphs=use_graphs, fault=fault)
-    window_nats, window_tokens, window_t0 = 0.0, 0, time.perf_counter()
-    start_elapsed, start_step, t0 = t["elapsed"], t["step"], time.perf_counter()
-    interrupted = None
-    with _StopFlag() as stop:
-        while True:
-            t["elapsed"] = start_elapsed + time.perf_counter() - t0
-            if _done(cfg, t, steps_per_epoch):
-                break
-            if stop.signal is not None:
-                interrupted = stop.signal
-                break
-            batch = streams.next()
-            x = batch.inputs.to(runtime.device, non_blocking=True)
-            y = batch.targets.to(runtime.device, non_blocking=True)
-            if batch.reset or state is None:
-                state = model.initial_state(x.shape[1], runtime.device)
-            elif cfg.reset_prob > 0:
-                state = _reset_some(state, cfg.reset_prob, (cfg.seed, par.rank, t["step"]))
-            for g in optimizer.param_groups:
-                g["lr"] = sched.lr(t["step"], t["elapsed"])
-            ddp_model.train()
-            loss, new_state = window(x, y, state, t["step"])  # forward + backward
-            scaler.unscale_(optimizer)
-            gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.clip if cfg.clip > 0 else math.inf)
-            local_loss, gnorm = loss.item(), float(gnorm)  # the step's only host syncs
-            finite = math.isfinite(local_loss) and math.isfinite(gnorm)
-            # One all-reduce: every rank takes the same skip decision (ZeRO's step is a
-            # collective) and rank 0 logs the mean loss over all ranks' streams.
-            loss_sum, n_bad = par.sum([local_loss, 0.0 if finite else 1.0])
-            finite, loss_value = n_bad == 0, loss_sum / par.world
-            if finite or scaler.is_enabled():
-                scaler.step(optimizer)  # the fp16 scaler skips non-finite steps itself
-                scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            t["step"] += 1
-            t["epoch"] = streams.progress
-            if finite:
-                t["nonfinite"] = 0
-                state = new_state
-                window_nats += loss_value * y.numel()
-                window_tokens += y.numel()
-            else:
-                t["nonfinite"] += 1
-                state = None  # the carried state may be poisoned: restart from zero
-                msg = (f"step {t['step']}: non-finite loss or gradient ({local_loss}), "
-                       f"update skipped ({t['nonfinite']} in a row)")
-                rep.message(msg)
-                if par.is_main:
-                    log.write("nonfinite", step=t["step"], loss=local_loss, grad_norm=gnorm)
-                if t["nonfinite"] >= cfg.max_nonfinite:
-                    last = t["last_good"] or "none yet"
-                    raise NonFiniteError(
-                        f"{t['nonfinite']} non-finite losses in a row at step {t['step']}; the last good "
-                        f"checkpoint is {last}; lower --lr or --clip and resume with --resume"
-                    )
-            if par.is_main and finite:
-                log.write("step", step=t["step"], loss=loss_value, grad_norm=gnorm,
-                          lr=optimizer.param_groups[0]["lr"])
-            if t["step"] % cfg.log_every == 0 and window_tokens:
-                now = time.perf_counter()
-                elapsed = start_elapsed + now - t0
-                rec = {
-                    "step": t["step"], "epoch": t["epoch"],
-                    "train_bpc": window_nats / window_tokens / chars_per_token / LN2,
-                    "valid_bpc": t.get("valid_bpc"),
-                    "chars_per_s": window_tokens * par.world * chars_per_token / (now - window_t0),
-                    "lr": optimizer.param_groups[0]["lr"], "elapsed": elapsed,
-                    "eta": _eta(cfg, t, total_steps, elapsed, (now - t0) / (t["step"] - start_step)),
-                    "total_steps": total_steps,
-                }
-                if par.is_main:
-                    log.write("train", **rec)
-                rep.log(rec)
-                window_nats, window_tokens, window_t0 = 0.0, 0, now
-            if t["step"] % cfg.eval_every == 0:
-                validate()
-                save("every --eval-every steps")
-        t["elapsed"] = start_elapsed + time.perf_counter() - t0
-        if interrupted is None:
-            if t["step"] % cfg.eval_every != 0 or t["step"] == 0:
-                validate()
-                save("end of training")
-        else:
-            save("interrupted by " + signal.Signals(interrupted).name)
-    summary = {"step": t["step"], "best_valid_bpc": t["best_bpc"], "elapsed_s": round(t["elapsed"], 1),
-               "run": str(run_dir), "interrupted": signal.Signals(interrupted).name if interrupted else None}
-    if par.is_main:
-        log.write("finish", **summary)
-        log.close()
-    rep.finish(summary)
-    par.close()
-    if interrupted is None and not math.isfinite(t["best_bpc"]):
-        raise NonFiniteError(
-            f"validation BPC was never finite (last: {t.get('valid_bpc')} at step {t['step']}), so "
-            f"no best checkpoint was written; the model diverged: lower --lr or --clip and train again"
-        )
-    return summary
-
-
-def _reset_some(state: tuple, prob: float, key: tuple) -> tuple:
+def reset_some(state: State, prob: float, key: tuple) -> State:
     """Zero the carried state of each stream with probability prob (--reset-prob).
 
     Without it a stream starts from a zero state only once per epoch, so an early model
@@ -366,36 +391,8 @@ def _reset_some(state: tuple, prob: float, key: tuple) -> tuple:
     return state[0] * keep, state[1] * keep
 
 
-def _open_run_dir(run_dir: Path, config: dict) -> MetricsLog:
-    """Create RUN_DIR, write config.json, open metrics.jsonl; one-line error if it cannot."""
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        ckpt.write_json(run_dir / "config.json", config)
-        return MetricsLog(run_dir / "metrics.jsonl")
-    except OSError as e:
-        raise ZlmError(f"cannot write to the run directory {run_dir} ({e.strerror or e}); "
-                       f"make it writable or pass another --out") from None
-
-
-def _write_best(run_dir: Path, model, config: dict, data: Dataset, step: int, bpc: float) -> None:
-    """best/: the weights with the best valid BPC so far, loadable on their own."""
-    final = run_dir / "best"
-    tmp = None
-    try:
-        tmp = ckpt.temp_directory(final)
-        ckpt.write_tensors(tmp / "model.safetensors", model.state_dict())
-        ckpt.write_json(tmp / "config.json", config)
-        ckpt.write_json(tmp / "trainer.json", {"step": step, "valid_bpc": bpc, "best_bpc": bpc})
-        data.copy_description(tmp)
-        ckpt.finish_directory(tmp, final, step)
-    except OSError as e:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise ZlmError(f"could not write {final} ({e.strerror or e}); free disk space or make the run "
-                       f"directory writable, then resume with --resume; the previous best/ is untouched") from None
-
-
 def _planned_steps(cfg: TrainConfig, steps_per_epoch: int) -> int | None:
+    """The nearer of --max-steps and --epochs in steps (None: only a time budget or nothing)."""
     options = []
     if cfg.max_steps is not None:
         options.append(cfg.max_steps)
@@ -404,24 +401,7 @@ def _planned_steps(cfg: TrainConfig, steps_per_epoch: int) -> int | None:
     return min(options) if options else None
 
 
-def _done(cfg: TrainConfig, t: dict, steps_per_epoch: int) -> bool:
-    total = _planned_steps(cfg, steps_per_epoch)
-    if total is not None and t["step"] >= total:
-        return True
-    return cfg.time_budget is not None and t["elapsed"] >= cfg.time_budget
-
-
-def _eta(cfg, t, total_steps, elapsed: float, s_per_step: float) -> float | None:
-    """Seconds left: the nearer of the time budget and the planned steps."""
-    etas = []
-    if cfg.time_budget is not None:
-        etas.append(max(cfg.time_budget - elapsed, 0.0))
-    if total_steps is not None:
-        etas.append(s_per_step * max(total_steps - t["step"], 0))
-    return min(etas) if etas else None
-
-
-def _describe_plan(cfg: TrainConfig, total_steps, steps_per_epoch) -> str:
+def describe_plan(cfg: TrainConfig, total_steps: int | None, steps_per_epoch: int) -> str:
     parts = [f"batch {cfg.batch_size} x bptt {cfg.bptt}", f"{steps_per_epoch:,} steps/epoch"]
     if total_steps is not None:
         parts.append(f"{total_steps:,} steps")
@@ -430,8 +410,3 @@ def _describe_plan(cfg: TrainConfig, total_steps, steps_per_epoch) -> str:
     if total_steps is None and cfg.time_budget is None:
         parts.append("until interrupted (no --epochs, --max-steps or --time-budget)")
     return ", ".join(parts)
-
-
-def read_config(run_dir: Path) -> dict:
-    return json.loads((Path(run_dir) / "config.json").read_text(encoding="utf-8"))
-

@@ -91,7 +91,8 @@ def _forward(x, h0, c0, weight_ih, weight_hh, bias, keep_c: Keep, keep_h: Keep, 
 
 
 def _step(x, h0, c0, weight_ih, weight_hh, bias, keep_c: Keep, keep_h: Keep):
-    """One timestep of inference (a sampler's call, T = 1): one cached GEMM for [x, h]
+    """One timestep of inference (T = 1: a caller stepping the cell one token at a time, e.g.
+    `zlm bench`'s sampling row; `zlm sample` has its own Stepper): one cached GEMM for [x, h]
     (addmm: robust on a busy machine, see `zlm.model.cells.packed_gemm`) and a few small fresh
     tensors; no workspace, no per-window setup."""
     H = h0.shape[1]

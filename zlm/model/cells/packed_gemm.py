@@ -11,12 +11,12 @@ CUDA tensors, a torch without oneDNN - uses `torch.addmm`.
 One exception, measured too: oneDNN splits even a batch-1 product over all threads, and
 when another process holds a core each call can wait milliseconds for the descheduled
 thread (sampling fell from ~2,000 to ~100 characters/s on a busy 2-core machine), while
-MKL's GEMV through addmm degrades gracefully. So the single-step inference path (a
-sampler's call) uses addmm on a contiguous transposed weight; whole windows keep oneDNN.
+MKL's GEMV through addmm degrades gracefully. So the single-step inference path (the cell
+called with T = 1) uses addmm on a contiguous transposed weight; whole windows keep oneDNN.
 
 A `RecurrentGemm` is built once per training window (the weights change after every
-optimizer step); for inference it is cached, so a sampler that calls the cell one
-character at a time packs the weights once, not once per character.
+optimizer step); for inference it is cached, so a caller that steps the cell one token
+at a time packs the weights once, not once per token.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def recurrent_gemm(
 
     Training packs once per window (the weights change after every optimizer step, and
     the reorder costs far less than the T steps that use it). With `cache=True` - for
-    inference, where a sampler calls the cell one character at a time - the packed weight
+    inference, where a caller may step the cell one token at a time - the packed weight
     is reused while every source is the same tensor at the same address and version and
     a probe of a few of its elements is unchanged (the probe catches writes through
     `.data`, which do not bump the version). `tag` names what `build` derives; `backend`

@@ -1,0 +1,182 @@
+"""`zlm eval`, `zlm sample`, `zlm info` in-process, and their one-line errors."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+
+import pytest
+from typer.testing import CliRunner
+
+from conftest import shakespeare_text, write_char_dataset
+from zlm.cli import app
+from zlm.data.dataset import Dataset
+from zlm.model.lm import ModelConfig
+from zlm.training.config import TrainConfig
+from zlm.training.trainer import train
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    data = Dataset.open(write_char_dataset(root / "data", shakespeare_text(30_000)))
+    train(root / "run", data, ModelConfig(vocab_size=data.vocab_size, hidden=32, embed=8),
+          TrainConfig(batch_size=4, bptt=20, max_steps=10, eval_every=10, log_every=100))
+    return root / "run"
+
+
+def ok(*args):
+    res = runner.invoke(app, [str(a) for a in args])
+    assert res.exit_code == 0, res.output
+    return res
+
+
+def test_eval_json_and_text(run, tmp_path):
+    out = json.loads(ok("eval", run, "--json").stdout)
+    for key in ("bpc", "bits_per_byte", "perplexity", "char_perplexity", "tokens", "characters",
+                "protocol", "chars_per_s", "split", "checkpoint"):
+        assert key in out
+    assert out["split"] == "valid" and "16 parallel streams" in out["protocol"]
+    test = json.loads(ok("eval", run, "--split", "test", "--batch-size", "3", "--json").stdout)
+    assert test["split"] == "test" and test["protocol"].startswith("3 parallel streams")
+    text = ok("eval", run).stdout
+    assert "BPC:" in text and "protocol:" in text and "characters/s" in text
+    assert "bits per byte" not in text  # ASCII text: the same as BPC, so not repeated
+    f = tmp_path / "t.txt"
+    f.write_text("First Citizen:\nSpeak, speak.\n", encoding="utf-8")
+    out = json.loads(ok("eval", run, "--file", f, "--json").stdout)
+    assert out["file"] == str(f) and out["characters"] == 29
+
+
+def test_eval_usage_errors(run, tmp_path):
+    f = tmp_path / "t.txt"
+    f.write_text("abc", encoding="utf-8")
+    res = runner.invoke(app, ["eval", str(run), "--split", "valid", "--file", str(f)])
+    assert res.exit_code == 2 and "not both" in res.output
+    res = runner.invoke(app, ["eval", str(run), "--batch-size", "0"])
+    assert res.exit_code == 2 and "--batch-size" in res.output
+    f.write_text("abc\u20acd", encoding="utf-8")
+    res = runner.invoke(app, ["eval", str(run), "--file", str(f)])
+    assert res.exit_code == 1 and "'€' (U+20AC) at character 3" in res.output
+
+
+def test_sample_streams_and_repeats(run):
+    a = ok("sample", run, "--prime", "ROMEO:", "--length", "50", "--seed", "7").stdout
+    b = ok("sample", run, "--prime", "ROMEO:", "--length", "50", "--seed", "7").stdout
+    assert a == b and a.startswith("ROMEO:") and len(a) == len("ROMEO:") + 50 + 1
+    greedy = ok("sample", run, "--length", "20", "--temperature", "0").stdout
+    assert greedy == ok("sample", run, "--length", "20", "--temperature", "0").stdout
+    lines = ok("sample", run, "--length", "30", "--num-samples", "3", "--seed", "1", "--json",
+               "--top-k", "10", "--top-p", "0.9").stdout.splitlines()
+    rows = [json.loads(line) for line in lines]
+    assert [r["index"] for r in rows] == [0, 1, 2]
+    for r in rows:
+        assert r["tokens"] == 30 and len(r["text"]) == 30 and r["seed"] == 1
+        assert r["log_likelihood_nats_per_token"] < 0 < r["bits_per_char"]
+    several = ok("sample", run, "--length", "10", "--num-samples", "2", "--seed", "1").stdout
+    assert several.count("--- sample ") == 2
+
+
+def test_sample_prime_outside_vocabulary(run):
+    res = runner.invoke(app, ["sample", str(run), "--prime", "caf\u00e9"])
+    assert res.exit_code == 2 and "--prime: character '\u00e9'" in res.output
+
+
+def test_info_text_and_json(run):
+    info = json.loads(ok("info", run, "--json").stdout)
+    assert info["parameters"] > 0 and info["step"] == 10
+    text = ok("info", run).stdout
+    assert "parameters:" in text and "best valid BPC:" in text and "model.safetensors" in text
+
+
+# ------------------------------------------------------------------ corrupt inputs
+
+
+def _rewrite_manifest(ck):
+    manifest = json.loads((ck / "checkpoint.json").read_text())
+    for name in manifest["files"]:
+        raw = (ck / name).read_bytes()
+        manifest["files"][name] = {"bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
+    (ck / "checkpoint.json").write_text(json.dumps(manifest))
+
+
+def _truncated(ck):
+    p = ck / "model.safetensors"
+    p.write_bytes(p.read_bytes()[:-100])
+
+
+def _truncated_manifest_rewritten(ck):
+    _truncated(ck)
+    _rewrite_manifest(ck)
+
+
+def _config_mismatch(ck):  # same size: only the checksum can tell
+    text = (ck / "config.json").read_text()
+    assert '"hidden": 32' in text
+    (ck / "config.json").write_text(text.replace('"hidden": 32', '"hidden": 48'))
+
+
+def _config_mismatch_manifest_rewritten(ck):
+    _config_mismatch(ck)
+    _rewrite_manifest(ck)
+
+
+def _not_a_checkpoint(ck):
+    shutil.rmtree(ck)
+    ck.mkdir()
+    (ck / "notes.txt").write_text("hello")
+
+
+def _newer_version(ck):
+    manifest = json.loads((ck / "checkpoint.json").read_text())
+    manifest["version"] = 99
+    (ck / "checkpoint.json").write_text(json.dumps(manifest))
+
+
+def _garbage_config(ck):
+    (ck / "config.json").write_text("{not json")
+    _rewrite_manifest(ck)
+
+
+CASES = {
+    "truncated": (_truncated, "truncated"),
+    "truncated-rewritten": (_truncated_manifest_rewritten, "safetensors"),
+    "config-mismatch": (_config_mismatch, "checksum"),
+    "config-mismatch-rewritten": (_config_mismatch_manifest_rewritten, "config implies"),
+    "not-a-checkpoint": (_not_a_checkpoint, "no complete checkpoint"),
+    "newer-version": (_newer_version, "version 99"),
+    "garbage-config": (_garbage_config, "config.json"),
+}
+
+
+@pytest.mark.parametrize("command", ["eval", "sample", "info"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_corrupt_checkpoints_are_one_line_errors(run, tmp_path, command, case):
+    damage, words = CASES[case]
+    if command == "info" and case in ("config-mismatch", "config-mismatch-rewritten",
+                                      "truncated-rewritten"):
+        pytest.skip("info checks no checksums and loads no tensors: it shows the mismatch")
+    ck = tmp_path / "ck"
+    shutil.copytree(run / "best", ck)
+    damage(ck)
+    res = runner.invoke(app, [command, str(ck), "--length", "5"] if command == "sample"
+                        else [command, str(ck)])
+    assert res.exit_code == 1, res.output
+    assert "Traceback" not in res.output
+    errors = [line for line in res.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and len(res.output.strip().splitlines()) == 1, res.output
+    assert words in errors[0], errors[0]
+
+
+def test_missing_training_data_suggests_file(run, tmp_path):
+    ck = tmp_path / "ck"
+    shutil.copytree(run / "best", ck)
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg["data"]["path"] = str(tmp_path / "gone")
+    (ck / "config.json").write_text(json.dumps(cfg))
+    _rewrite_manifest(ck)
+    res = runner.invoke(app, ["eval", str(ck)])
+    assert res.exit_code == 1 and "--file" in res.output and "Traceback" not in res.output

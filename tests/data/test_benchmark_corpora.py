@@ -1,0 +1,178 @@
+"""The benchmark corpora: deterministic text assembly from (fake) package trees, SHA-256
+checks that fail in one line, idempotent fetching. No network: packages are faked."""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+
+import pytest
+
+from conftest import TINY_SHAKESPEARE, need_corpus
+from zlm.data import benchmark as bm
+from zlm.errors import DataError, UsageError
+
+
+def write(path, data):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data if isinstance(data, bytes) else data.encode("utf-8"))
+
+
+def fake_fortunes(root):
+    base = root / "usr/share/games/fortunes/xx"
+    write(base / "b", "second\r\n%\nзвезда\n")
+    write(base / "a", "\ufefffirst without newline")
+    write(base / "a.dat", b"\x00\x01binary index")
+    write(base / "sub" / "c", "in a folder\n")
+    (base / "a.u8").symlink_to("a")
+    return {"method": "files", "root": "usr/share/games/fortunes/xx", "exclude_suffixes": [".dat"]}
+
+
+def fake_sword(root, blocks):
+    module = root / "mod"
+    data, index = b"", b""
+    for text in blocks:
+        packed = zlib.compress(text.encode("utf-8"))
+        index += struct.pack("<III", len(data), len(packed), len(text.encode("utf-8")))
+        data += packed
+    write(module / "ot.czs", index)
+    write(module / "ot.czz", data)
+    write(module / "nt.czs", b"")
+    write(module / "nt.czz", b"")
+    return {"method": "sword", "root": "mod", "testaments": ["ot", "nt"], "ext": "cz"}
+
+
+def test_files_rule_is_sorted_filtered_and_normalised(tmp_path):
+    rule = fake_fortunes(tmp_path)
+    names = [p.relative_to(tmp_path / rule["root"]).as_posix() for p in bm.rule_files(tmp_path, rule)]
+    assert names == ["a", "b", "sub/c"]  # .dat excluded, the .u8 link skipped, sorted by parts
+    text = bm.assemble(tmp_path, rule)
+    assert text == "first without newline\nsecond\n%\nзвезда\nin a folder\n"  # BOM gone, CRLF -> LF
+    assert bm.assemble(tmp_path, rule) == text  # the same bytes every time
+    stats = bm.text_stats(text)
+    assert stats["characters"] == len(text) and stats["bytes"] == len(text.encode()) > len(text)
+    assert stats["vocabulary"] == len(set(text))
+
+
+def test_files_rule_errors_are_one_line(tmp_path):
+    rule = fake_fortunes(tmp_path)
+    write(tmp_path / rule["root"] / "bad", b"caf\xe9\n")
+    with pytest.raises(DataError, match=r"xx/bad: not UTF-8 at byte 3") as e:
+        bm.assemble(tmp_path, rule)
+    assert "\n" not in str(e.value)
+    with pytest.raises(DataError, match="not a folder"):
+        bm.assemble(tmp_path, {"method": "files", "root": "nope"})
+    with pytest.raises(DataError, match="no files"):
+        bm.assemble(tmp_path, {**rule, "suffix": ".rst.txt"})
+    with pytest.raises(DataError, match="assemble method"):
+        bm.assemble(tmp_path, {"method": "zip"})
+
+
+def test_sword_module_decodes_to_plain_lines(tmp_path):
+    rule = fake_sword(tmp_path, [
+        '<milestone type="x-importer"/><title type="x-s">Psalm 1</title><div sID="p1" type="x-p"/>'
+        '<hi type="bold">Verse 1.</hi>  Blessed &amp; happy<note>a note</note> is\tthe man.'
+        '<div eID="p1" type="x-p"/>',
+        '<l sID="l1"/>The law of the LORD<l eID="l1"/><l sID="l2"/>is perfect &gt; all<l eID="l2"/>',
+    ])
+    assert bm.assemble(tmp_path, rule) == (
+        "Psalm 1\nVerse 1. Blessed & happy is the man.\nThe law of the LORD\nis perfect > all\n")
+
+
+def test_sword_block_size_mismatch(tmp_path):
+    rule = fake_sword(tmp_path, ["<p>text</p>"])
+    index = tmp_path / "mod" / "ot.czs"
+    off, size, _ = struct.unpack("<III", index.read_bytes())
+    index.write_bytes(struct.pack("<III", off, size, 99))
+    with pytest.raises(DataError, match="its index says 99"):
+        bm.assemble(tmp_path, rule)
+
+
+def test_wrong_digest_is_a_one_line_error():
+    bm.verify_sha256("ab" * 32, "ab" * 32, "x", "fix")  # equal: fine
+    with pytest.raises(DataError) as e:
+        bm.verify_sha256("ab" * 32, "cd" * 32, "pkg_1.0_all.deb", "update its pin")
+    msg = str(e.value)
+    assert "\n" not in msg and "pkg_1.0_all.deb" in msg and "abababab" in msg and "cdcdcdcd" in msg
+    assert "update its pin" in msg
+
+
+def spec_file(tmp_path, text_pin: dict, deb_sha: str = "0" * 64):
+    spec = {"format": "zlm-benchmark", "version": 1, "corpora": {
+        "quotes": {"kind": "quotations", "license": "GPL-2",
+                   "source": {"type": "deb", "package": "fortunes-xx", "version": "1.0-1",
+                              "sha256": deb_sha},
+                   "assemble": {"method": "files", "root": "usr/share/games/fortunes/xx",
+                                "exclude_suffixes": [".dat"]},
+                   "text": text_pin}}}
+    path = tmp_path / "benchmark.json"
+    path.write_text(json.dumps(spec))
+    return path
+
+
+def test_fetch_writes_verified_text_and_manifest_then_keeps_it(tmp_path):
+    tree = tmp_path / "tree"
+    rule = fake_fortunes(tree)
+    pin = bm.text_stats(bm.assemble(tree, rule))
+    calls = []
+
+    def fetcher(source, workdir):  # stands in for apt-get download + dpkg-deb -x
+        calls.append((source["package"], source["version"]))
+        return tree
+
+    out = tmp_path / "out"
+    manifest = bm.fetch_corpora(out, spec=spec_file(tmp_path, pin), fetcher=fetcher)
+    text = (out / "quotes" / "input.txt").read_bytes()
+    assert bm.sha256_bytes(text) == pin["sha256"] and calls == [("fortunes-xx", "1.0-1")]
+    entry = json.loads((out / "manifest.json").read_text())["corpora"][0]
+    assert entry == manifest["corpora"][0]
+    assert entry["text"]["vocabulary"] == pin["vocabulary"] and entry["license"] == "GPL-2"
+    assert entry["files"] == ["usr/share/games/fortunes/xx/a", "usr/share/games/fortunes/xx/b",
+                              "usr/share/games/fortunes/xx/sub/c"]
+    assert sorted(p.name for p in (out / "quotes").iterdir()) == ["files.json", "input.txt"]
+
+    bm.fetch_corpora(out, spec=spec_file(tmp_path, pin), fetcher=fetcher)  # present, verified
+    assert len(calls) == 1
+    (out / "quotes" / "input.txt").write_text("tampered")
+    bm.fetch_corpora(out, spec=spec_file(tmp_path, pin), fetcher=fetcher)  # made again
+    assert len(calls) == 2 and (out / "quotes" / "input.txt").read_bytes() == text
+
+
+def test_fetch_refuses_a_text_that_is_not_the_pinned_one(tmp_path):
+    tree = tmp_path / "tree"
+    fake_fortunes(tree)
+    out = tmp_path / "out"
+    with pytest.raises(DataError, match=r"quotes text: SHA-256 .* is not the pinned") as e:
+        bm.fetch_corpora(out, spec=spec_file(tmp_path, {"sha256": "f" * 64}),
+                         fetcher=lambda source, workdir: tree)
+    assert "\n" not in str(e.value) and not (out / "quotes" / "input.txt").exists()
+
+
+def test_shipped_benchmark_set():
+    corpora = bm.load_benchmark()
+    names = [c.name for c in corpora]
+    assert len(names) >= 5 and {"tinyshakespeare", "stdlib"} <= set(names)
+    for c in corpora:
+        if c.source["type"] == "deb":
+            assert len(c.source["sha256"]) == 64 and c.source["version"] and c.assemble
+            assert len(c.text["sha256"]) == 64 and c.text["characters"] > 1_000_000
+        assert c.license and c.kind
+    big = [c for c in corpora if c.kind.startswith("prose")]
+    assert big and big[0].text["characters"] >= 10_000_000
+    assert any(c.text and c.text["bytes"] > 1.5 * c.text["characters"] for c in corpora)  # non-ASCII
+    assert [c.name for c in bm.select(corpora, "stdlib,tinyshakespeare")] == \
+        [n for n in names if n in ("stdlib", "tinyshakespeare")]
+    with pytest.raises(UsageError, match="--only nope: no such benchmark corpus"):
+        bm.select(corpora, "nope")
+
+
+def test_corpus_source(tmp_path):
+    corpora = {c.name: c for c in bm.load_benchmark()}
+    assert bm.corpus_source(corpora["stdlib"], tmp_path) == "stdlib"
+    need_corpus(TINY_SHAKESPEARE)
+    assert bm.corpus_source(corpora["tinyshakespeare"], tmp_path).endswith("tinyshakespeare/input.txt")
+    write(tmp_path / "python-docs" / "input.txt", "x")
+    assert bm.corpus_source(corpora["python-docs"], tmp_path) == str(tmp_path / "python-docs" / "input.txt")
+    with pytest.raises(UsageError, match="run scripts/fetch-corpora"):
+        bm.corpus_source(corpora["fortunes-ru"], tmp_path)

@@ -1,0 +1,123 @@
+"""Reading sources: chunked strict UTF-8, gzip, directories, BOM/CRLF, binary, PTB-char."""
+
+from __future__ import annotations
+
+import gzip
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import SHARED  # ../shared or $ZLM_SHARED
+from zlm.data.textio import PtbCharDecoder, iter_bytes, iter_text, resolve_files
+from zlm.errors import DataError, UsageError
+
+
+def _read(files, chunk=7, fmt="text") -> str:
+    return "".join(iter_text(files, chunk_bytes=chunk, fmt=fmt))
+
+
+@given(text=st.text(min_size=1).filter(lambda t: "\x00" not in t), chunk=st.integers(1, 9))
+@settings(max_examples=100, deadline=None)
+def test_chunked_decoding_equals_whole(tmp_path_factory, text, chunk):
+    path = tmp_path_factory.mktemp("t") / "a.txt"
+    path.write_bytes(text.encode("utf-8"))
+    if sum(c < " " and c not in "\t\n\v\f\r\x1b" for c in text) > 0.3 * len(text.encode()):
+        return  # looks binary; covered below
+    assert _read([path], chunk) == text.removeprefix("\ufeff")
+
+
+def test_bom_stripped_crlf_kept(tmp_path):
+    path = tmp_path / "a.txt"
+    path.write_bytes(b"\xef\xbb\xbfline one\r\nline two\r\n")
+    assert _read([path]) == "line one\r\nline two\r\n"
+    assert b"".join(iter_bytes([path], 4)) == b"line one\r\nline two\r\n"
+
+
+def test_gzip_is_read_transparently(tmp_path):
+    path = tmp_path / "a.txt.gz"
+    path.write_bytes(gzip.compress("héllo\nwörld\n".encode()))
+    assert _read([path], 3) == "héllo\nwörld\n"
+    bad = tmp_path / "bad.gz"
+    bad.write_bytes(gzip.compress(b"hello")[:-6])
+    with pytest.raises(DataError, match="corrupt gzip"):
+        _read([bad])
+
+
+def test_directory_recursive_sorted_hidden_skipped(tmp_path):
+    for rel in ["b.txt", "a/z.txt", "a/b/c.txt", ".hidden.txt", ".git/x.txt", "a10.txt"]:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(rel + "\n")
+    files = resolve_files(tmp_path)
+    assert [p.relative_to(tmp_path).as_posix() for p in files] == [
+        "a/b/c.txt", "a/z.txt", "a10.txt", "b.txt"]
+    assert resolve_files([tmp_path / "b.txt", tmp_path / "a10.txt"])[0].name == "b.txt"
+
+
+def test_resolve_errors(tmp_path):
+    with pytest.raises(UsageError, match="no such file.*corpus name \\(x, y\\)"):
+        resolve_files(tmp_path / "missing.txt", names=["x", "y"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UsageError, match="has no files"):
+        resolve_files(tmp_path / "empty")
+    with pytest.raises(UsageError):
+        resolve_files([])
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 5, 4096])
+def test_invalid_utf8_names_byte_offset(tmp_path, chunk):
+    path = tmp_path / "a.txt"
+    path.write_bytes("héllo ".encode() + b"\xff" + " wörld".encode())
+    with pytest.raises(DataError) as e:
+        _read([path], chunk)
+    msg = str(e.value)
+    assert "byte offset 7" in msg and "0xff" in msg and "--tokenizer byte" in msg
+    assert "\n" not in msg
+
+
+def test_truncated_utf8_at_end_of_file(tmp_path):
+    path = tmp_path / "a.txt"
+    path.write_bytes("ab€".encode()[:-1])
+    with pytest.raises(DataError, match="byte offset 2"):
+        _read([path], 2)
+
+
+def test_nul_and_binary_refused(tmp_path):
+    nul = tmp_path / "nul.txt"
+    nul.write_bytes(b"hello" * 100 + b"\x00world")
+    with pytest.raises(DataError, match="NUL byte at byte offset 500.*binary"):
+        _read([nul])
+    with pytest.raises(DataError, match="NUL byte"):
+        list(iter_bytes([nul]))
+    binary = tmp_path / "bin.dat"
+    binary.write_bytes(bytes(range(1, 32)) * 20)
+    with pytest.raises(DataError, match="binary"):
+        list(iter_bytes([binary]))
+
+
+def test_ptb_char_decoder_streaming():
+    raw = "a _ c a t \n < u n k > _ N \n"
+    whole = PtbCharDecoder().feed(raw)
+    assert whole == "a cat\n<unk> N\n"
+    dec = PtbCharDecoder()
+    assert "".join(dec.feed(c) for c in raw) + dec.flush() == whole
+    dec = PtbCharDecoder()
+    assert dec.feed("x _ y") + dec.flush() == "x y\n"  # no final newline
+
+
+def test_ptb_char_rejects_plain_text(tmp_path):
+    path = tmp_path / "a.txt"
+    path.write_text("hello world\n")
+    with pytest.raises(DataError, match="line 1 is not in ptb-char format"):
+        _read([path], fmt="ptb-char")
+
+
+def test_real_ptb_char_valid_decodes_to_the_50_symbols():
+    path = SHARED / "corpora" / "ptb-char" / "ptb.char.valid.txt"
+    if not path.exists():
+        pytest.skip("../shared/corpora/ptb-char is not available")
+    text = _read([path], chunk=1 << 16, fmt="ptb-char")
+    assert text.startswith("consumers may want to move their telephones")
+    assert text.count("\n") == 3370
+    assert "_" not in text
+    assert len(set(text)) == 50  # 49 published symbols (space for "_") + end of line

@@ -1,0 +1,149 @@
+"""zlm.evaluate: BPC against an independent slow loop, stream-count effect, counts."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from conftest import shakespeare_text, write_char_dataset
+from zlm.cli import app
+from zlm.core.precision import resolve_runtime
+from zlm.core.scoring import EvalProtocol, cold_start_bound, score_predictions
+from zlm.data.dataset import Dataset
+from zlm.errors import DataError
+from zlm.inference.api import load
+from zlm.model.lm import ModelConfig, ZoneoutLM
+from zlm.training.config import TrainConfig
+from zlm.training.trainer import train
+
+
+def train_tiny(run_dir, data_dir, steps=20):
+    data = Dataset.open(data_dir)
+    train(run_dir, data, ModelConfig(vocab_size=data.vocab_size, hidden=32, embed=8),
+          TrainConfig(batch_size=4, bptt=32, max_steps=steps, eval_every=steps, log_every=100,
+                      eval_streams=4))
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eval")
+    data = write_char_dataset(root / "data", shakespeare_text(40_000))
+    return train_tiny(root / "run", data)
+
+
+def slow_bpc(run_dir, text: str) -> float:
+    """One character at a time, state carried, (1, 1) tokens, the reference cell."""
+    lm = load(run_dir)  # only for its tokenizer and config
+    model = ZoneoutLM(ModelConfig(**lm.config["model"]))  # reference cell by default
+    model.load_state_dict(load_file(str(lm.path / "model.safetensors")))
+    model.eval()
+    ids = [int(i) for i in lm.tokenizer.encode("\n" + text)]
+    nats, state = 0.0, None
+    with torch.no_grad():
+        for a, b in zip(ids[:-1], ids[1:], strict=True):
+            logits, state = model(torch.tensor([[a]]), state)
+            nats -= float(torch.log_softmax(logits[0, 0].double(), -1)[b])
+    return nats / len(text) / math.log(2)
+
+
+def test_eval_matches_an_independent_slow_loop(run, tmp_path):
+    text = shakespeare_text(40_000)[38_000:39_000]
+    f = tmp_path / "t.txt"
+    f.write_text(text, encoding="utf-8")
+    expected = slow_bpc(run, text)
+    runner = CliRunner()
+    got = {}
+    for bptt in (256, 7):
+        res = runner.invoke(app, ["eval", str(run), "--file", str(f), "--batch-size", "1",
+                                  "--bptt", str(bptt), "--json"])
+        assert res.exit_code == 0, res.output
+        got[bptt] = json.loads(res.stdout)
+        assert got[bptt]["characters"] == len(text) and got[bptt]["tokens"] == len(text)
+        assert got[bptt]["bpc"] == pytest.approx(expected, abs=1e-5)
+    res = runner.invoke(app, ["eval", str(run), "--file", str(f), "--batch-size", "8", "--json"])
+    multi = json.loads(res.stdout)
+    assert multi["characters"] == len(text)
+    assert abs(multi["bpc"] - expected) <= cold_start_bound(8, len(text))
+
+
+def test_stream_count_changes_bpc_by_at_most_the_documented_cold_start(run):
+    lm = load(run)
+    scores = {s: lm.evaluate_split("valid", streams=s) for s in (1, 16, 64)}
+    one = scores[1]
+    for s, score in scores.items():
+        assert (score.tokens, score.characters) == (one.tokens, one.characters)
+        assert abs(score.bpc - one.bpc) <= cold_start_bound(s, one.characters), s
+
+
+@pytest.mark.parametrize("n", [1, 2, 17, 100, 257])
+@pytest.mark.parametrize("streams", [1, 3, 16])
+def test_every_prediction_is_counted_once(n, streams):
+    torch.manual_seed(0)
+    model = ZoneoutLM(ModelConfig(vocab_size=5, hidden=4, embed=3)).eval()
+    tokens = np.random.default_rng(0).integers(0, 5, n).astype(np.uint8)
+    rt = resolve_runtime("cpu")
+    nats, count = score_predictions(model, tokens, rt, EvalProtocol(streams, bptt=10))
+    assert count == n - 1
+    if n > 1:  # one stream gives the same sum as the plain loop over windows of any size
+        ref, _ = score_predictions(model, tokens, rt, EvalProtocol(1, bptt=n))
+        one, _ = score_predictions(model, tokens, rt, EvalProtocol(1, bptt=3))
+        assert one == pytest.approx(ref, rel=1e-6)
+
+
+def test_char_byte_and_bpe_models_are_scored_over_the_same_characters(tmp_path):
+    from zlm.data.prepare import PrepareConfig, prepare
+
+    text = ("Crème brûlée, naïve café — déjà vu.\n" * 20) + shakespeare_text(20_000)
+    src = tmp_path / "corpus.txt"
+    src.write_text(text, encoding="utf-8")
+    probe = "Crème brûlée at the café.\nFirst Citizen: déjà vu — speak, speak.\n"
+    scores = {}
+    for kind in ("char", "byte", "bpe"):
+        cfg = PrepareConfig(tokenizer=kind, vocab_size=400 if kind == "bpe" else None,
+                            split=(0.9, 0.05, 0.05))
+        prepare(str(src), tmp_path / f"data-{kind}", cfg)
+        lm = load(train_tiny(tmp_path / f"run-{kind}", tmp_path / f"data-{kind}", steps=3))
+        scores[kind] = lm.evaluate_text(probe)
+    assert {s.characters for s in scores.values()} == {len(probe)}
+    assert {s.bytes for s in scores.values()} == {len(probe.encode("utf-8"))}
+    assert scores["byte"].tokens == len(probe.encode("utf-8"))
+    assert scores["bpe"].tokens < scores["char"].tokens == len(probe)
+    for s in scores.values():
+        assert math.isfinite(s.bpc) and s.bits_per_byte < s.bpc
+
+
+def test_unknown_characters_in_a_text_error_or_are_replaced(run, tmp_path):
+    lm = load(run)
+    with pytest.raises(DataError, match=r"'€' \(U\+20AC\) at character 3"):
+        lm.evaluate_text("abc€d")
+    from zlm.data.prepare import PrepareConfig, prepare
+
+    src = tmp_path / "c.txt"
+    src.write_text(shakespeare_text(20_000), encoding="utf-8")
+    prepare(str(src), tmp_path / "d", PrepareConfig(unknown="replace"))
+    lm2 = load(train_tiny(tmp_path / "r", tmp_path / "d", steps=2))
+    score = lm2.evaluate_text("abc€d", unknown="replace")
+    assert score.characters == 5 and score.tokens == 5
+
+
+def test_split_evaluation_needs_the_training_data(run, tmp_path):
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    lm = load(copy)
+    cfg = json.loads((lm.path / "config.json").read_text())
+    data = tmp_path / "moved-data"
+    shutil.copytree(cfg["data"]["path"], data)
+    lm.config["data"]["path"] = str(tmp_path / "gone")
+    with pytest.raises(DataError, match="is gone; evaluate a text file instead with --file"):
+        lm.evaluate_split("valid")
+    lm.config["data"]["path"] = str(data)
+    assert lm.evaluate_split("test").tokens == Dataset.open(data).split_info("test").tokens - 1

@@ -1,0 +1,178 @@
+"""The compiled fused CPU cell (C++ step) matches the reference cell: fp32, fp64, bf16.
+
+Tolerances: 1e-5 absolute in fp32, 1e-10 in fp64 (as the Python fused cell), gradcheck in
+fp64; under bf16 autocast (bf16 matrix multiplies, fp32 state) 2e-2 relative in norm on
+every output and gradient against the fp32 reference. The extension builds once per
+machine into the shared cache (`zlm.model.cells.cpu_ext.cache_root`); where a compiler
+exists a failed build fails these tests instead of skipping them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zlm.model.cells import choose_cell, cpu_ext
+from zlm.model.cells.compiled import make_compiled_cell
+from zlm.model.cells.packed_gemm import clear_cache
+from zlm.model.cells.reference import zoneout_lstm_reference
+from zlm.model.cells.workspace import clear_workspaces
+from zlm.model.lm import ModelConfig, ZoneoutLM
+
+TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
+BF16_REL = 2e-2
+NAMES = ["y", "h_T", "c_T", "dx", "dh0", "dc0", "dW_ih", "dW_hh", "db"]
+
+
+@pytest.fixture(scope="module")
+def cell():
+    ext = cpu_ext.load_extension()
+    if ext is None:
+        why = cpu_ext.unavailable_reason()
+        if cpu_ext._compiler_missing() or "ZLM_NO_EXTENSION" in (why or ""):
+            pytest.skip(f"no compiled step here: {why}")
+        pytest.fail(f"a compiler exists but the C++ step did not build: {why}")
+    return make_compiled_cell(ext)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_caches():
+    clear_cache()
+    clear_workspaces()
+    yield
+
+
+def _inputs(T, B, I, H, dtype, masks, seed=0):
+    """Leaf inputs (x, h0, c0, w_ih, w_hh, b) and keeps: masks, eval floats or zoneout off."""
+    g = torch.Generator().manual_seed(seed)
+
+    def leaf(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, dtype=dtype) * scale).requires_grad_()
+
+    w = 0.3 * min(1.0, (32 / H) ** 0.5)  # pre-activations O(1) at any H (H=1000: two threads)
+    args = [leaf(T, B, I), leaf(B, H), leaf(B, H), leaf(4 * H, I, scale=0.3),
+            leaf(4 * H, H, scale=w), leaf(4 * H, scale=0.1)]  # fmt: skip
+    if masks == "train":
+        keeps = [(torch.rand(T, B, H, generator=g) < z).to(dtype) for z in (0.5, 0.05)]
+    elif masks == "eval":
+        keeps = [0.5, 0.05]
+    else:
+        keeps = [0.0, 0.0]
+    return args, keeps
+
+
+def _run(fn, args, keeps, seed=1):
+    """Outputs and the gradients of a loss that uses y, h_T and c_T."""
+    args = [a.detach().clone().requires_grad_() for a in args]
+    y, h, c = fn(*args, *keeps)
+    w = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed), dtype=y.dtype)
+    ((y * w).sum() + h.pow(2).sum() + (1.5 * c).sum()).backward()
+    return [y, h, c] + [a.grad for a in args]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("masks", ["train", "eval", "off"])
+@pytest.mark.parametrize("shape", [(7, 3, 5, 6), (1, 2, 4, 3), (12, 8, 16, 32)])
+def test_matches_reference(cell, dtype, masks, shape):
+    args, keeps = _inputs(*shape, dtype, masks)
+    want = _run(zoneout_lstm_reference, args, keeps)
+    got = _run(cell, args, keeps)
+    for name, a, b in zip(NAMES, got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=TOL[dtype], msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rows_split_over_threads_match_reference(cell, dtype):
+    """B*H above the kernel's grain (32K elements): rows run in parallel chunks. fp32 sums
+    over 4000 gates here, so its bound is 5e-5 (the Python fused cell is as far off)."""
+    args, keeps = _inputs(3, 40, 8, 1000, dtype, "train")
+    want = _run(zoneout_lstm_reference, args, keeps)
+    got = _run(cell, args, keeps)
+    atol = 5e-5 if dtype == torch.float32 else TOL[dtype]
+    for name, a, b in zip(NAMES, got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=atol, msg=name)
+
+
+@pytest.mark.parametrize("masks", ["train", "eval"])
+def test_gradcheck_float64(cell, masks):
+    args, keeps = _inputs(3, 2, 3, 2, torch.float64, masks, seed=3)
+    assert torch.autograd.gradcheck(lambda *a: cell(*a, *keeps), args)
+
+
+@pytest.mark.parametrize("masks", ["train", "eval", "off"])
+def test_bf16_autocast_within_2e2_of_fp32_reference(cell, masks):
+    """bf16 multiplies, fp32 state: outputs and gradients fp32, within 2e-2 relative."""
+    args, keeps = _inputs(20, 8, 16, 64, torch.float32, masks)
+    want = _run(zoneout_lstm_reference, args, keeps)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = _run(cell, args, keeps)
+    for name, a, b in zip(NAMES, got, want, strict=True):
+        assert a.dtype == torch.float32, name
+        rel = ((a - b).norm() / b.norm()).item()
+        assert rel < BF16_REL, f"{name}: {rel:.3g}"
+
+
+def test_no_grad_windows_and_single_steps(cell):
+    """The inference path (nothing saved), T=1 calls with the state carried, and a weight
+    update in between (an optimizer step must not hit a stale packed weight)."""
+    args, _ = _inputs(1, 1, 8, 16, torch.float32, "eval")
+    x, h, c, w_ih, w_hh, b = (a.detach() for a in args)
+    hr, cr = h, c
+    with torch.no_grad():
+        for k in range(4):
+            if k == 2:
+                w_hh.mul_(0.5)
+            y, h, c = cell(x, h, c, w_ih, w_hh, b, 0.5, 0.05)
+            yr, hr, cr = zoneout_lstm_reference(x, hr, cr, w_ih, w_hh, b, 0.5, 0.05)
+            torch.testing.assert_close(y, yr, rtol=0, atol=1e-5)
+            torch.testing.assert_close(c, cr, rtol=0, atol=1e-5)
+
+
+def test_outputs_survive_later_windows_and_retained_graphs(cell):
+    args, keeps = _inputs(4, 2, 3, 5, torch.float64, "train")
+    y, h, c = cell(*args, *keeps)
+    saved = [t.detach().clone() for t in (y, h, c)]
+    loss = y.sum() + c.sum()
+    g1 = torch.autograd.grad(loss, args, retain_graph=True)
+    args2, _ = _inputs(4, 2, 3, 5, torch.float64, "train", seed=9)
+    cell(*(a.detach() for a in args2), *keeps)  # another window in between
+    g2 = torch.autograd.grad(loss, args)
+    for a, b in zip((y, h, c), saved, strict=True):
+        assert torch.equal(a.detach(), b)
+    for a, b in zip(g1, g2, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_model_two_windows_matches_reference(cell, training):
+    """Same seed -> same masks (drawn outside the cell); state carried over two windows."""
+    config = ModelConfig(vocab_size=11, hidden=12, layers=2, embed=7)
+    torch.manual_seed(0)
+    ref = ZoneoutLM(config)
+    fast = ZoneoutLM(config, cell=cell)
+    fast.load_state_dict(ref.state_dict())
+    assert list(fast.state_dict()) == list(ref.state_dict())
+    tokens = torch.randint(11, (2, 6, 3), generator=torch.Generator().manual_seed(5))
+    results = []
+    for model in (ref, fast):
+        model.train(training)
+        state, losses = None, []
+        for k in range(2):
+            torch.manual_seed(100 + k)
+            logits, state = model(tokens[k], state)
+            loss = logits.square().mean()
+            loss.backward()
+            state, losses = tuple(s.detach() for s in state), losses + [loss.detach()]
+        results.append((losses, state, [p.grad for p in model.parameters()]))
+    (l1, s1, g1), (l2, s2, g2) = results
+    torch.testing.assert_close(l2, l1, rtol=0, atol=1e-5)
+    torch.testing.assert_close(s2, s1, rtol=0, atol=1e-5)
+    for a, b in zip(g2, g1, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_chooser_picks_the_compiled_step(cell):
+    choice = choose_cell("auto", "cpu")
+    assert choice.name == "fused"
+    assert "compiled C++ step" in choice.reason
+    assert choice.fn is choose_cell("fused", "cpu").fn  # one function object per module

@@ -1,0 +1,50 @@
+"""The plain cell (torch's LSTM kernel on zlm's parameters) equals the zoneout cells at z = 0."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zlm.model.cells.plain import lstm_plain
+from zlm.model.cells.reference import zoneout_lstm_reference
+
+
+def _inputs(dtype, T=9, B=3, I=5, H=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    args = [torch.randn(T, B, I, generator=g, dtype=dtype), torch.randn(B, H, generator=g, dtype=dtype),
+            torch.randn(B, H, generator=g, dtype=dtype), torch.randn(4 * H, I, generator=g, dtype=dtype) * 0.3,
+            torch.randn(4 * H, H, generator=g, dtype=dtype) * 0.3, torch.randn(4 * H, generator=g, dtype=dtype)]
+    return [a.requires_grad_() for a in args]
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float64, 1e-10)])
+def test_plain_equals_reference_at_zero_zoneout_forward_and_gradients(dtype, tol):
+    a, b = _inputs(dtype), _inputs(dtype)
+    out_a = lstm_plain(*a, 0.0, 0.0)
+    out_b = zoneout_lstm_reference(*b, 0.0, 0.0)
+    for u, v in zip(out_a, out_b, strict=True):
+        torch.testing.assert_close(u, v, rtol=tol, atol=tol)
+    g = torch.Generator().manual_seed(1)
+    weights = [torch.randn(o.shape, generator=g, dtype=dtype) for o in out_a]
+    sum((o * w).sum() for o, w in zip(out_a, weights, strict=True)).backward()
+    sum((o * w).sum() for o, w in zip(out_b, weights, strict=True)).backward()
+    for name, u, v in zip(("x", "h0", "c0", "weight_ih", "weight_hh", "bias"), a, b, strict=True):
+        torch.testing.assert_close(u.grad, v.grad, rtol=tol, atol=tol, msg=name)
+
+
+def test_plain_matches_torch_nn_lstm_with_the_bias_as_b_ih():
+    torch.manual_seed(0)
+    lstm = torch.nn.LSTM(5, 7)
+    x, h0, c0 = torch.randn(6, 2, 5), torch.randn(1, 2, 7), torch.randn(1, 2, 7)
+    want, (h, c) = lstm(x, (h0, c0))
+    bias = (lstm.bias_ih_l0 + lstm.bias_hh_l0).detach()
+    y, hT, cT = lstm_plain(x, h0[0], c0[0], lstm.weight_ih_l0, lstm.weight_hh_l0, bias, 0.0, 0.0)
+    torch.testing.assert_close((y, hT, cT), (want, h[0], c[0]), rtol=1e-5, atol=1e-6)
+
+
+def test_plain_refuses_zoneout():
+    x = _inputs(torch.float32)
+    with pytest.raises(ValueError, match="without zoneout"):
+        lstm_plain(*x, 0.5, 0.0)
+    with pytest.raises(ValueError, match="without zoneout"):
+        lstm_plain(*x, torch.zeros(9, 3, 7), 0.0)

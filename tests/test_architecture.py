@@ -1,0 +1,173 @@
+"""The package's shape: layers import only downwards, no import cycles, short functions.
+
+Every module of zlm/ and cli/ is parsed (not imported) and every import counted:
+module-level, inside functions, `import a.b`, `from a import b` (b a module or a name),
+relative imports, and `importlib.import_module("...")` / `__import__("...")` with a
+literal name. Layers, lowest first:
+
+    zlm.version, zlm.errors  <-  zlm.data  <-  zlm.model  <-  zlm.core
+        <-  zlm.training | zlm.inference (never each other)  <-  zlm.tools  <-  zlm.cli
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS = {  # package -> rank; a module may import its own rank or lower
+    "zlm.version": 0, "zlm.errors": 0, "zlm.data": 1, "zlm.model": 2, "zlm.core": 3,
+    "zlm.training": 4, "zlm.inference": 4, "zlm.tools": 5, "zlm.cli": 6, "zlm.corpora": 0,
+    "zlm.__main__": 7,
+}
+MAX_FUNCTION_LINES = 80
+MAX_MODULES_PER_PACKAGE = 15
+# cli/ holds one module per command (+ errors, render, and score's helpers); with
+# compress/decompress (issue 17) it is 16: split it into subpackages before it grows more.
+MODULE_LIMIT_EXCEPTIONS = {"zlm.cli": 16}
+
+
+def modules() -> dict[str, Path]:
+    """Dotted module name -> file, for zlm/ and cli/ (installed as zlm.cli)."""
+    found = {}
+    for base, prefix in ((ROOT / "zlm", "zlm"), (ROOT / "cli", "zlm.cli"), (ROOT / "corpora", "zlm.corpora")):
+        for path in sorted(base.rglob("*.py")):
+            parts = list(path.relative_to(base).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join([prefix, *parts])] = path
+    return found
+
+
+def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """Every zlm module that `name` imports, in any form and anywhere in the file."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    targets: set[str] = set()
+
+    def add(dotted: str) -> None:
+        # the module itself, or the nearest enclosing module that exists
+        while dotted and dotted not in known:
+            dotted = dotted.rpartition(".")[0]
+        if dotted:
+            targets.add(dotted)
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                add(alias.name)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                add(full if full in known else base)
+        elif isinstance(node, ast.Call):
+            fn = node.func
+            fname = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", "")
+            if fname in ("import_module", "__import__") and node.args and isinstance(node.args[0], ast.Constant):
+                add(str(node.args[0].value))
+    targets.discard(name)
+    return {t for t in targets if t.startswith("zlm")}
+
+
+def layer_of(module: str) -> tuple[str, int]:
+    for pkg, rank in sorted(LAYERS.items(), key=lambda kv: -len(kv[0])):
+        if module == pkg or module.startswith(pkg + "."):
+            return pkg, rank
+    if module == "zlm":
+        return "zlm", 7  # the root package may expose anything (lazily: zlm.load)
+    raise AssertionError(f"{module} is in no layer; add its package to LAYERS")
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    known = set(mods)
+    return {name: imports_of(name, path, known) for name, path in mods.items()}
+
+
+def test_the_parser_sees_every_form_of_import(tmp_path):
+    """The counting itself: module-level, in-function, relative and importlib imports."""
+    src = tmp_path / "m.py"
+    src.write_text("import zlm.data.dataset\nfrom zlm.core import scoring\n"
+                   "def f():\n    from ..model import lm\n    import importlib\n"
+                   "    importlib.import_module('zlm.inference.load')\n    from zlm.errors import UsageError\n")
+    known = {"zlm.data.dataset", "zlm.core", "zlm.core.scoring", "zlm.model", "zlm.model.lm",
+             "zlm.inference.load", "zlm.errors", "zlm.training.x"}
+    got = imports_of("zlm.training.x", src, known)
+    assert got == {"zlm.data.dataset", "zlm.core.scoring", "zlm.model.lm", "zlm.inference.load", "zlm.errors"}
+
+
+def test_no_upward_or_sideways_imports(graph):
+    bad = []
+    for mod, targets in graph.items():
+        pkg, rank = layer_of(mod)
+        for t in targets:
+            tpkg, trank = layer_of(t)
+            if trank > rank or (trank == rank and tpkg != pkg and rank > 0):
+                bad.append(f"{mod} -> {t}")
+    assert not bad, "imports against the layering:\n" + "\n".join(sorted(bad))
+
+
+def test_no_import_cycles(graph):
+    index, low, on_stack, stack, cycles = {}, {}, set(), [], []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_the_cycle_check_finds_a_cycle():
+    """A guard that cannot fail is no guard: a planted cycle is found."""
+    planted = {"zlm.a": {"zlm.b"}, "zlm.b": {"zlm.a"}}
+    with pytest.raises(AssertionError, match="import cycles"):
+        test_no_import_cycles(planted)
+
+
+def test_functions_are_short():
+    long = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    long.append(f"{name}.{node.name}: {n} lines")
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long)
+
+
+def test_packages_are_small():
+    per_package = defaultdict(int)
+    for name, path in modules().items():
+        if path.name != "__init__.py":
+            per_package[name.rpartition(".")[0]] += 1
+    big = {p: n for p, n in per_package.items()
+           if n > MODULE_LIMIT_EXCEPTIONS.get(p, MAX_MODULES_PER_PACKAGE)}
+    assert not big, f"packages with more than {MAX_MODULES_PER_PACKAGE} modules: {big}"

@@ -1,0 +1,155 @@
+"""`zlm recipe corpora-benchmark` at tiny sizes on fake corpora: the two settings, the
+tables, restart after an interruption (finished runs kept, the unfinished one resumed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+from typer.testing import CliRunner
+
+from conftest import shakespeare_text
+from zlm.cli import app
+from zlm.core.metrics import read_metrics
+from zlm.core.report import Reporter
+from zlm.errors import UsageError, ZlmError
+from zlm.tools import corpora_benchmark as cb
+from zlm.tools.curves import read_run
+from zlm.training.presets import get_preset
+
+runner = CliRunner()
+TINY = {"hidden": 16, "embed": 8, "batch_size": 4, "bptt": 16, "eval_every": 2, "log_every": 1,
+        "device": "cpu"}
+RUSSIAN = "Выиграть по лотерейному билету автомобиль — всё равно, что выиграть поезд.\n%\n"
+
+
+@pytest.fixture(scope="module")
+def corpora(tmp_path_factory):
+    """A fake fetch-corpora OUT_DIR holding two of the set's names."""
+    root = tmp_path_factory.mktemp("corpora")
+    for name, text in (("tinyshakespeare", shakespeare_text(20_000)), ("fortunes-ru", RUSSIAN * 200)):
+        (root / name).mkdir()
+        (root / name / "input.txt").write_text(text, encoding="utf-8")
+    return root
+
+
+def test_defaults_are_zlm_trains_and_baseline_is_the_plain_lstm():
+    model, train = cb.zlm_defaults(70, {"time_budget": 600.0, "seed": 2})
+    preset = get_preset(None)  # what `zlm train FILE --time-budget 10m --seed 2` resolves
+    assert model.hidden == preset.model.hidden and model.zoneout_cell == preset.model.zoneout_cell
+    assert train.lr == preset.train.lr and train.reset_prob == preset.train.reset_prob
+    assert (train.time_budget, train.seed, model.vocab_size) == (600.0, 2, 70)
+    bm, bt = cb.baseline((model, train))
+    assert (bm.layers, bm.hidden, bm.embed, bm.zoneout_cell, bm.zoneout_hidden, bm.dropout) == \
+        (1, 512, 64, 0.0, 0.0, 0.0)
+    assert (bt.optimizer, bt.lr, bt.schedule.kind, bt.clip, bt.batch_size, bt.bptt) == \
+        ("adam", 2e-3, "constant", 1.0, 32, 100)
+    assert (bt.state, bt.reset_prob) == ("carry", 0.0)
+    for same in ("precision", "eval_every", "device", "cell", "time_budget", "seed"):
+        assert getattr(bt, same) == getattr(train, same), same
+    assert bm.vocab_size == 70
+
+
+def test_config_checks():
+    assert cb.parse_seeds("1,2") == (1, 2)
+    with pytest.raises(UsageError, match="--seeds"):
+        cb.parse_seeds("1,x")
+    with pytest.raises(UsageError, match="--seeds"):
+        cb.BenchmarkConfig(seeds=(1, 1))
+    with pytest.raises(UsageError, match="--lr does not apply"):
+        cb.BenchmarkConfig(sizes={"lr": 1e-3})
+    with pytest.raises(UsageError, match="--minutes"):
+        cb.BenchmarkConfig(minutes=0)
+    assert cb.BenchmarkConfig().budget() == {"time_budget": 600.0}
+    assert cb.BenchmarkConfig(max_steps=3).budget() == {"max_steps": 3}
+
+
+class KillAt(Reporter):
+    """Sends SIGTERM to this process when training reaches `step` (the trainer saves a
+    checkpoint and stops, as after Ctrl-C)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def log(self, record: dict) -> None:
+        if record.get("step") == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_benchmark_end_to_end_and_restart_after_interruption(corpora, tmp_path):
+    out = tmp_path / "bench"
+    config = cb.BenchmarkConfig(corpora=corpora, only="tinyshakespeare,fortunes-ru", out=out,
+                                max_steps=4, seeds=(1, 2), sizes=TINY)
+    calls = []
+
+    def interrupt_third_run():  # reporter 0 is the recipe's, 1.. are the runs'
+        calls.append(1)
+        return KillAt(2) if len(calls) == 4 else Reporter()
+
+    with pytest.raises(ZlmError, match="interrupted during .*tinyshakespeare/baseline-seed1"):
+        cb.corpora_benchmark(config, interrupt_third_run)
+    first = ["defaults-seed1", "defaults-seed2"]
+    done = {n: len(read_metrics(out / "tinyshakespeare" / n / "metrics.jsonl")) for n in first}
+    stopped = out / "tinyshakespeare" / "baseline-seed1"  # order: corpus, setting, seed
+    assert not read_run(stopped).finished and (stopped / "checkpoints").is_dir()
+
+    result = cb.corpora_benchmark(config)  # the same command again
+    for n in first:  # finished runs are kept as they are
+        assert len(read_metrics(out / "tinyshakespeare" / n / "metrics.jsonl")) == done[n]
+    resumed = read_run(stopped)  # resumed from its step-2 checkpoint, not started again
+    assert resumed.finished and resumed.steps == 4
+    starts = [e for e in read_metrics(stopped / "metrics.jsonl") if e.get("event") == "start"]
+    assert len(starts) == 2 and starts[-1]["resumed_from"].endswith("step-00000002")
+
+    assert [(r["corpus"], r["setting"], r["seed"]) for r in result.rows] == [
+        (c, s, seed) for c in ("tinyshakespeare", "fortunes-ru") for s in cb.SETTINGS for seed in (1, 2)]
+    for r in result.rows:
+        assert 0 < r["valid_bpc"] < 10 and 0 < r["test_bpc"] < 10
+        assert r["characters"] == 4 * 4 * 16 and r["checkpoint"].endswith("best")
+        assert r["model"]["hidden"] == 16  # --hidden applies to both settings
+        zc = r["model"]["zoneout_cell"]
+        assert zc == 0.0 if r["setting"] == "baseline" else zc == get_preset(None).model.zoneout_cell
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["recipe"] == "corpora-benchmark" and len(doc["summary"]) == 2
+    ru = next(c for c in doc["corpora"] if c["name"] == "fortunes-ru")
+    assert ru["pinned"] is False and ru["vocabulary"] == len(set(RUSSIAN))  # a fake, not the pin
+    md = (out / "results.md").read_text()
+    assert md.count("| tinyshakespeare | defaults |") == 2 and "defaults win" in md
+    assert "- baseline: 1x16, embed 8, z_c 0, z_h 0, adam 0.002 constant" in md
+    for name in ("tinyshakespeare", "fortunes-ru"):
+        assert (out / name / "curves.png").is_file() and (out / name / "data" / "dataset.json").is_file()
+
+
+def test_summary_means_and_wins():
+    rows = [{"corpus": "c", "setting": s, "seed": k, "valid_bpc": v, "test_bpc": v + 0.1,
+             "characters": 100} for s, k, v in (("defaults", 1, 1.90), ("defaults", 2, 1.92),
+                                                ("baseline", 1, 1.95), ("baseline", 2, 1.95))]
+    (s,) = cb.summarize(rows)
+    assert s["defaults_valid"] == pytest.approx(1.91) and s["delta_valid"] == pytest.approx(-0.04)
+    assert s["defaults_win"]
+    rows[1]["test_bpc"] = 2.2
+    assert not cb.summarize(rows)[0]["defaults_win"]  # test mean 2.11 vs 2.05
+
+
+def test_cli(corpora, tmp_path):
+    out = tmp_path / "cli"
+    res = runner.invoke(app, ["recipe", "corpora-benchmark", "--corpora", str(corpora), "--only",
+                              "fortunes-ru", "--seeds", "3", "--max-steps", "2", "--out", str(out),
+                              "--hidden", "16", "--embed", "8", "--batch-size", "4", "--bptt", "16",
+                              "--eval-every", "2", "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert [(r["setting"], r["seed"]) for r in doc["runs"]] == [("defaults", 3), ("baseline", 3)]
+    for args in (["--lr", "1e-3"], ["--corpus", "x.txt"], ["--seed", "3"]):
+        res = runner.invoke(app, ["recipe", "corpora-benchmark", *args])
+        assert res.exit_code == 2 and "does not apply" in res.output, args
+    res = runner.invoke(app, ["recipe", "equal-budget", "--only", "stdlib"])
+    assert res.exit_code == 2 and "--only does not apply" in res.output
+    res = runner.invoke(app, ["recipe", "corpora-benchmark", "--only", "nope"])
+    assert res.exit_code == 2 and "--only nope" in res.output
+    assert len(res.output.strip().splitlines()) == 1
+    res = runner.invoke(app, ["recipe", "corpora-benchmark", "--corpora", str(tmp_path / "none"),
+                              "--only", "python-docs", "--out", str(tmp_path / "o")])
+    assert res.exit_code == 2 and "scripts/fetch-corpora" in res.output

@@ -1,0 +1,71 @@
+"""Resolve once: `auto` is resolved when a run starts, stored in config.json, reused on resume."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from zlm.core.metrics import read_metrics
+from zlm.data.dataset import Dataset
+from zlm.model.cells import choose_cell
+from zlm.model.lm import ModelConfig
+from zlm.training import resolve
+from zlm.training.config import TrainConfig
+from zlm.training.trainer import train
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "pre-refactor-run"
+CPU = torch.device("cpu")
+
+
+def _cfgs(data: Dataset, **kw):
+    mc = ModelConfig(vocab_size=data.vocab_size, hidden=16, embed=8, zoneout_cell=kw.pop("zc", 0.2))
+    return mc, TrainConfig(**{"batch_size": 4, "bptt": 16, "max_steps": 2, "eval_every": 2, "eval_streams": 2,
+                              "device": "cpu", **kw})
+
+
+def test_a_fresh_run_stores_what_auto_became(tiny_data, tmp_path):
+    data = Dataset.open(tiny_data)
+    train(tmp_path / "run", data, *_cfgs(data))
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["train"]["precision"] == "auto" and config["train"]["cell"] == "auto"  # as given
+    want = resolve.resolve_fresh(TrainConfig(device="cpu"), ModelConfig(vocab_size=5, zoneout_cell=0.2), CPU)
+    assert config["resolved"] == want.to_dict()
+    assert config["resolved"]["cell"] == "fused" and config["resolved"]["kernel"] in ("compiled", "python")
+    ck = sorted((tmp_path / "run" / "checkpoints").iterdir())[-1]
+    assert json.loads((ck / "config.json").read_text())["resolved"] == config["resolved"]
+
+
+def test_resume_never_re_resolves_auto(tiny_data, tmp_path, monkeypatch):
+    """The machine now says bf16 (as a CPU with native bf16 would); the resumed run keeps fp32."""
+    data = Dataset.open(tiny_data)
+    mc, tc = _cfgs(data)
+    train(tmp_path / "run", data, mc, tc)
+    monkeypatch.setattr("zlm.core.precision.cpu_bf16_native", lambda flags=None: True)
+    assert resolve.resolve_fresh(tc, mc, CPU).precision == "bf16"  # what a re-resolution would give
+    train(tmp_path / "run", data, mc, TrainConfig(**{**tc.to_dict(), "max_steps": 4}), resume=True)
+    starts = [e for e in read_metrics(tmp_path / "run" / "metrics.jsonl") if e["event"] == "start"]
+    assert [s["runtime"] for s in starts] == ["cpu fp32", "cpu fp32"]
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["resolved"]["precision"] == "fp32"
+
+
+def test_a_run_written_before_settings_were_stored_gets_what_that_zlm_chose():
+    ck = FIXTURE / "checkpoints" / "step-00000005"
+    assert "resolved" not in json.loads((ck / "config.json").read_text())
+    r = resolve.stored(ck, CPU)
+    assert (r.precision, r.cell, r.kernel) == ("fp32", "fused", "python")
+    assert choose_cell("fused", CPU, kernel="python").kernel == "python"
+
+
+def test_auto_runs_torchs_lstm_kernel_without_zoneout(tiny_data, tmp_path):
+    assert choose_cell("auto", CPU, zoneout=(0.0, 0.0)).name == "plain"
+    assert choose_cell("auto", CPU, zoneout=(0.0, 0.05)).name == "fused"
+    data = Dataset.open(tiny_data)
+    mc, tc = _cfgs(data, zc=0.0)
+    mc = ModelConfig(**{**mc.to_dict(), "zoneout_hidden": 0.0})
+    train(tmp_path / "run", data, mc, tc)
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["resolved"]["cell"] == "plain" and config["resolved"]["kernel"] == "plain"
+    start = [e for e in read_metrics(tmp_path / "run" / "metrics.jsonl") if e["event"] == "start"][0]
+    assert start["cell"] == "plain"

@@ -1,0 +1,203 @@
+"""The compiled fused CPU zoneout cell: torch matrix multiplies + one C++ step per timestep.
+
+Same signature, parameter layout, gate order (i, f, g, o) and pre-drawn masks as
+`zlm.model.cells.reference.zoneout_lstm_reference`; it matches it to 1e-5 in fp32 and
+1e-10 in fp64, and in bf16 to 2e-2 relative (tests/model/test_cells_compiled.py).
+
+Per window (haste's layout, on the CPU):
+- forward: the input projection for all timesteps is one matrix multiply; per step one
+  recurrent multiply (oneDNN packed weights in fp32, see `zlm.model.cells.packed_gemm`)
+  and ONE call of the C++ step (`cpu_kernels.cpp`): bias-added pre-activations -> gate
+  activations -> c~, h~ -> both zoneout mixes, in one pass over memory;
+- backward: per step one C++ call (all element-wise work of the step, in one pass) and
+  one recurrent multiply; dW_ih, dW_hh, db and dx are one multiply or reduction each.
+
+Precision: under `torch.autocast("cpu", dtype=torch.bfloat16)` every matrix multiply
+(input projection, recurrence, weight gradients, dx) runs in bf16 with fp32 accumulation
+inside the multiply; the recurrent state h, c, the gate arithmetic and the gradients
+through time stay fp32, and parameter gradients are returned in fp32. Otherwise the cell
+computes in its inputs' dtype (fp32, or fp64 for gradcheck).
+
+Backward of one step (d = keep, n = 1 - keep; dh, dc the gradients of the zoned h_t, c_t):
+
+    dh      = d_h(t+1) dh_{t+1} + dy_t + dpre_{t+1} W_hh        ("carry" + dy + "rec")
+    dc~     = n_c dc + n_h dh o (1 - tanh(c~)^2)
+    dpre    = [dc~ g i(1-i), dc~ c_prev f(1-f), dc~ i (1-g^2), n_h dh tanh(c~) o(1-o)]
+    dc_prev = d_c dc + dc~ f
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from zlm.model.cells.masks import Keep
+from zlm.model.cells.packed_gemm import recurrent_gemm
+from zlm.model.cells.workspace import take_workspace
+
+BF16 = torch.bfloat16
+
+
+class StepWorkspace:
+    """Buffers of one window of one layer (forward and backward), reused across windows.
+
+    gates: (T, B, 4H) input projection, then the activations i, f, g, o per step.
+    c: (T+1, B, H) zoned cell state, c[0] = c0.   tc: (T, B, H) tanh(c~_t).
+    h_lp: (T+1, B, H) bf16 copies of h_prev (h0, y_0 .. y_{T-1}) for bf16 multiplies.
+    dgates: (T, B, 4H) gradient of the pre-activations, in the compute dtype.
+    carry, dc: (B, H) gradients carried through time; rec: (B, 4H) or (B, H) scratch.
+    """
+
+    lp = False  # whether the matrix multiplies run in bf16
+
+    def __init__(self, T: int, B: int, H: int, dtype: torch.dtype, device: torch.device):
+        kw = dict(dtype=dtype, device=device)
+        cd = BF16 if self.lp else dtype
+        self.gates = torch.empty(T, B, 4 * H, **kw)
+        self.c = torch.empty(T + 1, B, H, **kw)
+        self.tc = torch.empty(T, B, H, **kw)
+        self.h_lp = torch.empty(T + 1, B, H, dtype=BF16, device=device) if self.lp else None
+        self.rec = torch.empty(B, 4 * H, dtype=cd, device=device)
+        self.pre = torch.empty(B, 4 * H, **kw)
+        self.dgates = torch.empty(T, B, 4 * H, dtype=cd, device=device)
+        self.carry, self.dc = torch.empty(B, H, **kw), torch.empty(B, H, **kw)
+        self.drec = torch.empty(B, H, dtype=cd, device=device)
+
+
+class StepWorkspaceBF16(StepWorkspace):
+    lp = True
+
+
+def _keep_args(keep: Keep, t: int) -> tuple[Tensor | None, float]:
+    """(mask row t or None, float keep) for the C++ step."""
+    return (keep[t], 0.0) if isinstance(keep, Tensor) else (None, float(keep))
+
+
+def _same(w: Tensor) -> tuple[Tensor, None]:
+    return w, None
+
+
+def _transpose(w: Tensor) -> tuple[Tensor, None]:
+    return w.t(), None
+
+
+def _forward(ext, x, h0, c0, w_ih, w_hh, bias, keep_c: Keep, keep_h: Keep, lp: bool, save: bool):
+    """Run the window without autograd. Returns y (T, B, H) (fresh) and the workspace.
+
+    lp: bf16 matrix multiplies. save: a backward follows (keep tanh(c~); no weight cache).
+    """
+    T, B, _ = x.shape
+    H = h0.shape[1]
+    ws = take_workspace(StepWorkspaceBF16 if lp else StepWorkspace, T, B, H, x.dtype, x.device)
+    gates, c, tc = ws.gates, ws.c, ws.tc
+    xs = x.reshape(T * B, -1)
+    if lp:  # (T*B, 4H) in bf16, then fp32 for the step
+        gates.view(T * B, 4 * H).copy_(torch.addmm(bias.to(BF16), xs.to(BF16), w_ih.to(BF16).t()))
+        w_rec = w_hh.to(BF16).t()  # (H, 4H)
+        ws.h_lp[0].copy_(h0)
+    else:
+        torch.addmm(bias, xs, w_ih.t(), out=gates.view(T * B, 4 * H))
+        gemm = recurrent_gemm((w_hh,), B, "c", _same, cache=not save)  # h W_hh^T
+    y_all = torch.empty(T + 1, B, H, dtype=x.dtype, device=x.device)  # returned: never pooled
+    y_all[0].copy_(h0)
+    c[0].copy_(c0)
+    for t in range(T):
+        if lp:
+            xp, rec = gates[t], torch.mm(ws.h_lp[t], w_rec, out=ws.rec)  # rec (B, 4H) bf16
+        else:
+            xp, rec = gemm.add(y_all[t], gates[t], ws.pre), None  # (B, 4H) = xW + b + hW
+        kc, zc = _keep_args(keep_c, t)
+        kh, zh = _keep_args(keep_h, t)
+        ext.forward_step(xp, rec, gates[t], c[t], y_all[t], kc, zc, kh, zh, c[t + 1],
+                         tc[t], y_all[t + 1], ws.h_lp[t + 1] if lp else None)
+    return y_all, ws
+
+
+def _backward(ext, ws, w_hh, keep_c, keep_h, dy, dh_T, dc_T, lp: bool):
+    """Backward through time: fills ws.dgates (T, B, 4H) with the gradient of the gate
+    pre-activations and returns dh0, dc0 (B, H). dy (T, B, H), dh_T, dc_T may be None."""
+    T, B, _ = ws.gates.shape
+    carry, dc, dgates = ws.carry, ws.dc, ws.dgates
+    carry.zero_() if dh_T is None else carry.copy_(dh_T)
+    dc.zero_() if dc_T is None else dc.copy_(dc_T)
+    if lp:
+        w_rec = w_hh.to(BF16)  # (4H, H): dpre @ W_hh
+    else:
+        gemm = recurrent_gemm((w_hh,), B, "T", _transpose)  # dpre (B, 4H) @ W_hh -> (B, H)
+    rec = None
+    for t in range(T - 1, -1, -1):
+        kc, zc = _keep_args(keep_c, t)
+        kh, zh = _keep_args(keep_h, t)
+        ext.backward_step(ws.gates[t], ws.tc[t], ws.c[t], kc, zc, kh, zh,
+                          None if dy is None else dy[t], carry, rec, dc, dgates[t])
+        rec = torch.mm(dgates[t], w_rec, out=ws.drec) if lp else gemm.mm(dgates[t])
+    return carry + rec, dc.clone()
+
+
+class _Function(torch.autograd.Function):
+    """Forward without autograd; backward through time by hand (not twice-differentiable)."""
+
+    @staticmethod
+    def forward(ctx, x, h0, c0, weight_ih, weight_hh, bias, keep_c, keep_h, ext, lp):
+        y_all, ws = _forward(ext, x, h0, c0, weight_ih, weight_hh, bias, keep_c, keep_h, lp, True)
+        ctx.ws, ctx.keeps, ctx.ext, ctx.lp = ws, (keep_c, keep_h), ext, lp
+        ctx.save_for_backward(x, weight_ih, weight_hh, y_all)
+        ctx.set_materialize_grads(False)
+        masks = [k for k in (keep_c, keep_h) if isinstance(k, Tensor)]
+        ctx.mark_non_differentiable(*masks)
+        y = y_all[1:]
+        return y, y[-1].clone(), ws.c[-1].clone()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy, dh_T, dc_T):
+        with torch.autocast("cpu", enabled=False):
+            return _Function._grads(ctx, dy, dh_T, dc_T)
+
+    @staticmethod
+    def _grads(ctx, dy, dh_T, dc_T):
+        x, w_ih, w_hh, y_all = ctx.saved_tensors
+        ws, lp, needs = ctx.ws, ctx.lp, ctx.needs_input_grad
+        dy = None if dy is None else dy.contiguous()
+        dh0, dc0 = _backward(ctx.ext, ws, w_hh, *ctx.keeps, dy, dh_T, dc_T, lp)
+        T, B, H4 = ws.gates.shape
+        dpre = ws.dgates.view(T * B, H4)  # compute dtype
+        cd = dpre.dtype
+        hprev = (ws.h_lp if lp else y_all)[:-1].reshape(T * B, -1)  # (T*B, H): h0, y_0 .. y_{T-2}
+        dx = torch.mm(dpre, w_ih.to(cd)).view(T, B, -1).to(x.dtype) if needs[0] else None
+        dw_ih = torch.mm(dpre.t(), x.reshape(T * B, -1).to(cd)).to(w_ih.dtype) if needs[3] else None
+        dw_hh = torch.mm(dpre.t(), hprev).to(w_hh.dtype) if needs[4] else None
+        db = dpre.sum(0, dtype=x.dtype) if needs[5] else None
+        return (dx, dh0 if needs[1] else None, dc0 if needs[2] else None, dw_ih, dw_hh, db,
+                None, None, None, None)
+
+
+def compute_lp(x: Tensor) -> bool:
+    """Whether the matrix multiplies run in bf16: CPU autocast to bf16 is on."""
+    return (x.device.type == "cpu" and torch.is_autocast_enabled("cpu")
+            and torch.get_autocast_dtype("cpu") == BF16)
+
+
+def make_compiled_cell(ext):
+    """The cell function around a loaded extension module (`zlm.model.cells.cpu_ext`)."""
+
+    def zoneout_lstm_compiled(x: Tensor, h0: Tensor, c0: Tensor, weight_ih: Tensor, weight_hh: Tensor,
+                              bias: Tensor, keep_c: Keep, keep_h: Keep) -> tuple[Tensor, Tensor, Tensor]:
+        """One zoneout LSTM layer over a window (compiled CPU step).
+
+        x: (T, B, I); h0, c0: (B, H); weight_ih (4H, I), weight_hh (4H, H), bias (4H,),
+        gate blocks i, f, g, o; keep_c, keep_h: (T, B, H) 0/1 masks or floats.
+        Returns y: (T, B, H), h_T, c_T: (B, H) in the state dtype (fp32 under bf16 autocast).
+        """
+        lp = compute_lp(x)
+        with torch.autocast("cpu", enabled=False):
+            sd = torch.float32 if lp else x.dtype
+            x, h0, c0 = (t.to(sd).contiguous() for t in (x, h0, c0))
+            keep_c, keep_h = (k.to(sd).contiguous() if isinstance(k, Tensor) else k for k in (keep_c, keep_h))
+            args = (x, h0, c0, weight_ih, weight_hh, bias)
+            if torch.is_grad_enabled() and any(a.requires_grad for a in args):
+                return _Function.apply(*args, keep_c, keep_h, ext, lp)
+            y_all, ws = _forward(ext, *args, keep_c, keep_h, lp, False)
+            return y_all[1:], y_all[-1].clone(), ws.c[-1].clone()
+
+    return zoneout_lstm_compiled

@@ -1,0 +1,145 @@
+"""Builds, caches and loads the C++ step of the CPU zoneout cell (`cpu_kernels.cpp`).
+
+The extension is compiled on first use with torch's own tooling
+(`torch.utils.cpp_extension.load`, ninja), never inside pip's isolated build. It is
+cached under a key of torch version, source hash and instruction set:
+
+    $ZLM_EXT_CACHE or $XDG_CACHE_HOME/zlm/ext or ~/.cache/zlm/ext
+        zlm_cpu_<torch>_<isa>_<source hash>/      one build directory per key
+
+The instruction set is chosen from the CPU's flags and passed explicitly (`-mavx2 -mfma`,
+or `-mavx512f ...`), never `-march=native`, so a cache shared by machines with different
+CPUs cannot hand one of them code it cannot run: each ISA has its own key.
+
+First use reports "compiling ..." and then how long it took through `on_event` (a
+callback) or, without one, the `zlm.ext` logger. Without a compiler, with
+`ZLM_NO_EXTENSION=1`, or when the build fails, `load_extension` returns None and
+`unavailable_reason()` gives one line; the caller falls back to the Python fused cell.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("zlm.ext")
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+_ISA_FLAGS = {
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mavx2"],
+    "avx2": ["-mavx2", "-mfma"],
+    "base": [],
+}
+_state: dict = {}  # "module" or "reason" once tried (one attempt per process)
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    m = re.search(r"^flags\s*:\s*(.*)$", text, re.MULTILINE)
+    return set(m.group(1).split()) if m else set()
+
+
+def instruction_set(flags: set[str] | None = None) -> str:
+    """'avx512', 'avx2' or 'base': the widest set both this CPU and the flags above cover."""
+    flags = cpu_flags() if flags is None else flags
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"} <= flags:
+        return "avx512"
+    if {"avx2", "fma"} <= flags:
+        return "avx2"
+    return "base"
+
+
+def cache_root() -> Path:
+    """Where builds are cached (see the module docstring)."""
+    if os.environ.get("ZLM_EXT_CACHE"):
+        return Path(os.environ["ZLM_EXT_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "zlm" / "ext"
+
+
+def compile_flags(isa: str) -> list[str]:
+    """-O3 and explicit ISA flags; no -ffast-math (-fno-trapping-math lets the exp vectorise)."""
+    return ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", *_ISA_FLAGS[isa]]
+
+
+def build_key(isa: str | None = None) -> str:
+    """zlm_cpu_<torch version>_<isa>_<hash of source and flags>: one build per combination."""
+    isa = isa or instruction_set()
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(compile_flags(isa)).encode()).hexdigest()[:12]
+    version = re.sub(r"[^0-9A-Za-z]+", "_", torch.__version__)
+    return f"zlm_cpu_{version}_{isa}_{digest}"
+
+
+def _compiler_missing() -> str | None:
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        return f"no C++ compiler ({cxx!r} not found; install g++ or set CXX)"
+    return None
+
+
+def _build(on_event: Callable[[str], None]):
+    """Compile (or load the cached build of) the extension."""
+    from torch.utils import cpp_extension
+
+    isa = instruction_set()
+    key = build_key(isa)
+    directory = cache_root() / key
+    directory.mkdir(parents=True, exist_ok=True)
+    fresh = not any(directory.glob("*.so"))
+    if fresh:
+        on_event(f"compiling the CPU cell's C++ step for {isa} (first use; cached in {directory})")
+    t0 = time.perf_counter()
+    flags = compile_flags(isa)
+    module = cpp_extension.load(
+        name=key, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+        build_directory=str(directory), verbose=False,
+    )
+    if fresh:
+        on_event(f"compiled the CPU cell's C++ step in {time.perf_counter() - t0:.1f}s")
+    return module
+
+
+def load_extension(on_event: Callable[[str], None] | None = None):
+    """The compiled module (functions `forward_step`, `backward_step`), or None.
+
+    Tried once per process; the outcome (module or reason) is remembered.
+    """
+    if "module" in _state or "reason" in _state:
+        return _state.get("module")
+    report = on_event or log.info
+    reason = None
+    if os.environ.get("ZLM_NO_EXTENSION", "") not in ("", "0"):
+        reason = "ZLM_NO_EXTENSION is set"
+    else:
+        reason = _compiler_missing()
+    if reason is None:
+        try:
+            _state["module"] = _build(report)
+            return _state["module"]
+        except Exception as e:  # any build or load failure: fall back, in one line
+            first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+            reason = f"the C++ step did not build ({first[:200]})"
+            log.warning("%s; the Python fused cell runs instead", reason)
+    _state["reason"] = reason
+    return None
+
+
+def unavailable_reason() -> str | None:
+    """Why `load_extension` returned None (None if it loaded or was not tried)."""
+    return _state.get("reason")
+
+
+def forget() -> None:
+    """Forget the outcome, so the next `load_extension` tries again (tests)."""
+    _state.clear()

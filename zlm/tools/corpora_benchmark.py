@@ -1,0 +1,314 @@
+"""`zlm recipe corpora-benchmark`: zlm's defaults against a plain-LSTM baseline on every
+corpus of the benchmark set (corpora/benchmark.json), at one time budget, several seeds.
+
+Owns `BenchmarkConfig`, `corpora_benchmark(config)`, the two settings it compares and
+the results table. For each corpus: its text (OUT_DIR/<name>/input.txt from
+`scripts/fetch-corpora`, or a built-in corpus by name) is prepared once into
+OUT/<corpus>/data (char tokenizer, 90/5/5 contiguous, vocabulary over the whole corpus);
+each (setting, seed) trains into OUT/<corpus>/<setting>-seed<N>; its best checkpoint is
+scored on the full valid and test splits with `zlm eval`'s function (`EvalConfig()`
+defaults); OUT/results.json, OUT/results.md and OUT/<corpus>/curves.png are written.
+
+The two settings:
+
+- "defaults": exactly what `zlm train SOURCE --time-budget T --seed S` resolves
+  (`zlm_defaults`, the one place that asks the training layer for its defaults);
+- "baseline": the fast plain LSTM of issue 16: zoneout 0 for both states, 1x512, embed
+  64, Adam 2e-3 constant, clip 1, batch 32, bptt 100, state carried, no resets, with the
+  defaults' precision, device, cell choice and validation schedule (--eval-every), so
+  the time budget buys the same kind of training and validation for both.
+
+Restartable like the other recipes: finished runs (a "finish" event) and their
+results.json are kept, an unfinished run resumes from its latest checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from zlm.core import checkpoint as ckpt
+from zlm.core.report import Reporter
+from zlm.data import benchmark
+from zlm.data.dataset import Dataset
+from zlm.errors import UsageError, ZlmError
+from zlm.model.lm import ModelConfig
+from zlm.tools.curves import read_run, read_runs
+from zlm.tools.recipes import RecipeResult, ReporterFactory, score_run
+from zlm.training.config import TrainConfig, configure
+from zlm.training.presets import get_preset
+from zlm.training.schedule import ScheduleConfig
+from zlm.training.trainer import train
+
+NAME = "corpora-benchmark"
+SETTINGS = ("defaults", "baseline")
+DEFAULT_MINUTES = 10.0
+DEFAULT_SEEDS = (1, 2)
+WIN_MARGIN = 0.03  # issue 16: the defaults' mean must be this much below the baseline's
+# The baseline (issue 16): the fields it fixes; everything else follows the defaults.
+BASELINE_MODEL = dict(hidden=512, layers=1, embed=64, zoneout_cell=0.0, zoneout_hidden=0.0,
+                      dropout=0.0)
+BASELINE_TRAIN = dict(batch_size=32, bptt=100, lr=2e-3, optimizer="adam", weight_decay=0.0,
+                      clip=1.0, schedule=ScheduleConfig(kind="constant"), state="carry",
+                      reset_prob=0.0)
+SHARED_TRAIN = ("eval_every", "eval_streams", "device", "precision", "cell", "cuda_graphs",
+                "keep_last", "log_every", "max_nonfinite")  # the baseline takes the defaults'
+SIZE_OPTIONS = ("hidden", "layers", "embed", "batch_size", "bptt", "eval_every", "log_every",
+                "device")
+
+
+@dataclass(frozen=True)
+class BenchmarkConfig:
+    """Options of `zlm recipe corpora-benchmark`.
+
+    corpora: OUT_DIR of scripts/fetch-corpora (None: $ZLM_BENCH_CORPORA, else runs/corpora).
+    only: comma-separated corpus names (--only; None: the whole set).
+    seeds: one run per setting and seed (--seeds 1,2).
+    max_steps: a fixed step budget instead of --minutes (quick looks, tests).
+    sizes: {option: value} applied to BOTH settings (--hidden, --embed, --batch-size,
+        --bptt, --eval-every, --log-every, --device): tiny runs for tests; a real
+        benchmark passes none of them.
+    """
+
+    corpora: Path | None = None
+    only: str | None = None
+    out: Path | None = None
+    minutes: float = DEFAULT_MINUTES
+    seeds: tuple[int, ...] = DEFAULT_SEEDS
+    max_steps: int | None = None
+    mirror: Path | None = None  # catalog corpora (tiny Shakespeare when not fetched)
+    sizes: dict | None = None
+    spec: Path | None = None  # another benchmark.json (tests)
+
+    def __post_init__(self):
+        if self.minutes <= 0:
+            raise UsageError(f"--minutes must be > 0, got {self.minutes:g}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise UsageError(f"--max-steps must be >= 1, got {self.max_steps}")
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
+            raise UsageError(f"--seeds must name distinct seeds, e.g. 1,2; got "
+                             f"{','.join(map(str, self.seeds))}")
+        unknown = set(self.sizes or {}) - set(SIZE_OPTIONS)
+        if unknown:
+            raise UsageError(f"--{sorted(unknown)[0].replace('_', '-')} does not apply to "
+                             f"{NAME}: its two settings are fixed")
+
+    def corpora_dir(self) -> Path:
+        return Path(self.corpora or os.environ.get(benchmark.ENV_BENCH) or Path("runs") / "corpora")
+
+    def budget(self) -> dict:
+        """{"max_steps": N} or {"time_budget": seconds}, the same for every run."""
+        if self.max_steps is not None:
+            return {"max_steps": self.max_steps}
+        return {"time_budget": self.minutes * 60.0}
+
+
+def parse_seeds(text: str) -> tuple[int, ...]:
+    """'1,2' -> (1, 2) (a UsageError naming --seeds otherwise)."""
+    try:
+        return tuple(int(s) for s in text.split(",") if s.strip())
+    except ValueError:
+        raise UsageError(f"--seeds {text}: write integers separated by commas, e.g. 1,2") from None
+
+
+# ------------------------------------------------------------------ the two settings
+
+
+def zlm_defaults(vocab_size: int, options: dict) -> tuple[ModelConfig, TrainConfig]:
+    """What `zlm train SOURCE` resolves with only `options` given (--time-budget, --seed):
+    the default preset with those options, through the training layer's `configure`, the
+    same path as `zlm.training.runner.plan_run`."""
+    preset = get_preset(None)
+    return configure(preset.model, preset.train, vocab_size, options)
+
+
+def baseline(defaults: tuple[ModelConfig, TrainConfig]) -> tuple[ModelConfig, TrainConfig]:
+    """The plain-LSTM baseline next to resolved defaults: BASELINE_* fixed, the budget,
+    seed, precision, device and validation schedule taken from the defaults."""
+    model, train_cfg = defaults
+    shared = {k: getattr(train_cfg, k) for k in (*SHARED_TRAIN, "seed", "max_steps", "time_budget")}
+    return (ModelConfig(vocab_size=model.vocab_size, **BASELINE_MODEL),
+            TrainConfig(**BASELINE_TRAIN, **shared))
+
+
+def run_configs(setting: str, vocab_size: int, seed: int,
+                config: BenchmarkConfig) -> tuple[ModelConfig, TrainConfig]:
+    """The resolved configs of one run; config.sizes (tests) replace values in both."""
+    defaults = zlm_defaults(vocab_size, {**config.budget(), "seed": seed})
+    model, train_cfg = defaults if setting == "defaults" else baseline(defaults)
+    if config.sizes:
+        model, train_cfg = configure(model, train_cfg, vocab_size, config.sizes)
+    return model, train_cfg
+
+
+# ------------------------------------------------------------------ running
+
+
+def prepare_corpus(corpus: benchmark.BenchCorpus, config: BenchmarkConfig, out: Path,
+                   rep: Reporter) -> Dataset:
+    """OUT/<corpus>/data, prepared once: char, 90/5/5 contiguous, whole-corpus vocabulary."""
+    data_dir = out / corpus.name / "data"
+    if (data_dir / "dataset.json").is_file():
+        return Dataset.open(data_dir)
+    from zlm.data.prepare import PrepareConfig, prepare
+
+    source = benchmark.corpus_source(corpus, config.corpora_dir())
+    rep.message(f"preparing {corpus.name} ({source}) into {data_dir} (char, 90/5/5, "
+                "vocabulary from the whole text)")
+    return prepare(source, data_dir, PrepareConfig(tokenizer="char", split=(0.9, 0.05, 0.05),
+                                                   unknown="include", mirror=config.mirror))
+
+
+def train_once(run_dir: Path, data: Dataset, model: ModelConfig, train_cfg: TrainConfig,
+               make_reporter: ReporterFactory) -> None:
+    """Train one run, resume it from its latest checkpoint, or keep it when finished."""
+    if (run_dir / "metrics.jsonl").is_file() and read_run(run_dir).finished:
+        return
+    resume = run_dir.is_dir() and any(run_dir.iterdir())
+    summary = train(run_dir, data, model, train_cfg, resume=resume, reporter=make_reporter())
+    if summary.get("interrupted"):
+        raise ZlmError(f"interrupted during {run_dir} (checkpoint saved); run the same zlm "
+                       "recipe command again to continue")
+
+
+def corpus_info(corpus: benchmark.BenchCorpus, data: Dataset) -> dict:
+    """What the table says about a corpus: kind, source, size, vocabulary, pin check."""
+    splits, sha = data.meta.get("splits", {}), (data.meta.get("source") or {}).get("sha256")
+    src, pinned = corpus.source, (corpus.text or {}).get("sha256")
+    return {"name": corpus.name, "kind": corpus.kind, "license": corpus.license,
+            "source": f"{src['package']} {src['version']}" if src["type"] == "deb"
+            else src.get("name") or src.get("path"),
+            "characters": sum(s.get("characters", 0) for s in splits.values()),
+            "bytes": sum(s.get("bytes", 0) for s in splits.values()),
+            "vocabulary": data.vocab_size, "text_sha256": sha,
+            "pinned": None if pinned is None else sha == pinned}
+
+
+def corpora_benchmark(config: BenchmarkConfig = BenchmarkConfig(),
+                      make_reporter: ReporterFactory = Reporter) -> RecipeResult:
+    """Every selected corpus x setting x seed: prepare, train, score; then the tables."""
+    out = Path(config.out or Path("runs") / NAME)
+    rep = make_reporter()
+    corpora = benchmark.select(benchmark.load_benchmark(config.spec), config.only)
+    runs = [(c, s, seed) for c in corpora for s in SETTINGS for seed in config.seeds]
+    rows, infos, done = [], [], set()
+    for i, (corpus, setting, seed) in enumerate(runs):
+        data = prepare_corpus(corpus, config, out, rep)
+        if corpus.name not in done:
+            infos.append(corpus_info(corpus, data))
+            done.add(corpus.name)
+        run_dir = out / corpus.name / f"{setting}-seed{seed}"
+        model, train_cfg = run_configs(setting, data.vocab_size, seed, config)
+        rep.message(f"[{i + 1}/{len(runs)}] {corpus.name}, {setting}, seed {seed}: {run_dir}")
+        train_once(run_dir, data, model, train_cfg, make_reporter)
+        row = score_run(run_dir, setting, train_cfg.device)
+        rows.append({**row, "corpus": corpus.name, "seed": seed})
+    return _finish(out, config, infos, rows, rep)
+
+
+# ------------------------------------------------------------------ results
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per corpus: the mean over seeds of each setting's valid and test BPC, the
+    differences (defaults - baseline) and whether the defaults win by WIN_MARGIN on both."""
+    out = []
+    for corpus in dict.fromkeys(r["corpus"] for r in rows):
+        entry = {"corpus": corpus}
+        for setting in SETTINGS:
+            mine = [r for r in rows if r["corpus"] == corpus and r["setting"] == setting]
+            for split in ("valid", "test"):
+                vals = [r[f"{split}_bpc"] for r in mine if r.get(f"{split}_bpc") is not None]
+                entry[f"{setting}_{split}"] = statistics.fmean(vals) if vals else None
+            entry[f"{setting}_characters"] = statistics.fmean(r["characters"] for r in mine) if mine else None
+        for split in ("valid", "test"):
+            a, b = entry[f"defaults_{split}"], entry[f"baseline_{split}"]
+            entry[f"delta_{split}"] = None if a is None or b is None else a - b
+        entry["defaults_win"] = all(entry[f"delta_{s}"] is not None and entry[f"delta_{s}"] <= -WIN_MARGIN
+                                    for s in ("valid", "test"))
+        out.append(entry)
+    return out
+
+
+def _fmt(v, digits: int = 3, signed: bool = False) -> str:
+    if v is None:
+        return "-"
+    return f"{v:+.{digits}f}" if signed else f"{v:.{digits}f}"
+
+
+def _setting_line(rows: list[dict], setting: str) -> str:
+    r = next((r for r in rows if r["setting"] == setting), None)
+    if r is None:
+        return f"- {setting}: no run"
+    m, t = r["model"], r["train"] or {}
+    sched = (t.get("schedule") or {}).get("kind", "?")
+    return (f"- {setting}: {m.get('layers')}x{m.get('hidden')}, embed {m.get('embed')}, z_c "
+            f"{m.get('zoneout_cell'):g}, z_h {m.get('zoneout_hidden'):g}, {t.get('optimizer')} "
+            f"{t.get('lr'):g} {sched}, clip {t.get('clip'):g}, batch {t.get('batch_size')} x bptt "
+            f"{t.get('bptt')}, state {t.get('state')}, reset_prob {t.get('reset_prob'):g}, "
+            f"precision {t.get('precision')}, eval every {t.get('eval_every')} steps")
+
+
+def benchmark_markdown(config: BenchmarkConfig, infos: list[dict], rows: list[dict],
+                       summary: list[dict]) -> str:
+    budget = (f"{config.max_steps:,} steps" if config.max_steps is not None
+              else f"{config.minutes:g} minutes")
+    lines = [f"Corpora benchmark: zlm's defaults vs the plain-LSTM baseline, {budget} of "
+             f"training per run, seeds {', '.join(map(str, config.seeds))}, on {os.cpu_count()} "
+             "CPU cores.", "",
+             "| corpus | kind | source | characters | vocabulary | text = pinned |",
+             "|---|---|---|---|---|---|"]
+    for c in infos:
+        pin = {True: "yes", False: "NO", None: "-"}[c["pinned"]]
+        lines.append(f"| {c['name']} | {c['kind']} | {c['source']} | {c['characters']:,} | "
+                     f"{c['vocabulary']} | {pin} |")
+    lines += ["", f"Mean of the seeds (Δ = defaults - baseline; the defaults win when Δ <= "
+              f"-{WIN_MARGIN:g} on valid and test):", "",
+              "| corpus | defaults valid | baseline valid | Δ valid | defaults test | "
+              "baseline test | Δ test | defaults win |", "|---|---|---|---|---|---|---|---|"]
+    for s in summary:
+        lines.append(f"| {s['corpus']} | {_fmt(s['defaults_valid'])} | {_fmt(s['baseline_valid'])} | "
+                     f"{_fmt(s['delta_valid'], signed=True)} | {_fmt(s['defaults_test'])} | "
+                     f"{_fmt(s['baseline_test'])} | {_fmt(s['delta_test'], signed=True)} | "
+                     f"{'yes' if s['defaults_win'] else 'no'} |")
+    lines += ["", "Every run:", "",
+              "| corpus | setting | seed | valid BPC | test BPC | characters seen | steps | "
+              "best step | training minutes |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        minutes = None if r.get("elapsed_s") is None else r["elapsed_s"] / 60
+        lines.append(f"| {r['corpus']} | {r['setting']} | {r['seed']} | {_fmt(r['valid_bpc'])} | "
+                     f"{_fmt(r['test_bpc'])} | {r['characters']:,.0f} | {r['steps']:,} | "
+                     f"{r.get('best_step', '-')} | {_fmt(minutes, 1)} |")
+    lines += ["", "Settings (as resolved for the first corpus):",
+              _setting_line(rows, "defaults"), _setting_line(rows, "baseline"), "",
+              "BPC: the best checkpoint (by validation) on the full split, state carried "
+              "(`zlm eval` protocol, fp32). Splits 90/5/5 contiguous; vocabulary over the "
+              "whole corpus.", ""]
+    return "\n".join(lines)
+
+
+def _finish(out: Path, config: BenchmarkConfig, infos: list[dict], rows: list[dict],
+            rep: Reporter) -> RecipeResult:
+    """OUT/results.json, OUT/results.md and OUT/<corpus>/curves.png (skipped, with a note,
+    without matplotlib)."""
+    from zlm.tools.plot import plot_runs
+
+    files = [out / "results.json", out / "results.md"]
+    for info in infos:
+        mine = [r["run"] for r in rows if r["corpus"] == info["name"]]
+        target = out / info["name"] / "curves.png"
+        try:
+            plot_runs(read_runs(mine), target, title=f"{info['name']}: train (dashed) and "
+                      "valid (solid) BPC, defaults vs baseline")
+            files.append(target)
+        except ZlmError as e:
+            rep.message(f"{target} not written: {e}")
+    summary = summarize(rows)
+    md = benchmark_markdown(config, infos, rows, summary)
+    ckpt.write_json(out / "results.json", {
+        "recipe": NAME, "budget": config.budget(), "seeds": list(config.seeds),
+        "sizes": config.sizes or {}, "corpora": infos, "summary": summary, "runs": rows})
+    (out / "results.md").write_text(md, encoding="utf-8")
+    return RecipeResult(NAME, out, rows, md, files)

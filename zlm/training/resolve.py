@@ -1,0 +1,78 @@
+"""Resolve once: what `--precision auto` and `--cell auto` became when a run started.
+
+A fresh run resolves on rank 0 and broadcasts it, so every rank of a DDP job runs the
+same precision and kernel; the result is written to config.json under "resolved". A
+resumed run never re-resolves: it reads the "resolved" block of the checkpoint it resumes
+from, on whatever machine it now runs, so its losses continue bit for bit where the same
+kernel exists. A run written before zlm stored this block (config.json has "auto") gets
+what that zlm resolved "auto" to: fp32 on a CPU (bf16, else fp16, on CUDA) and the fused
+cell in Python on a CPU (Triton on CUDA).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from zlm.core import checkpoint as ckpt
+from zlm.core.precision import precision_reason, resolve_precision
+from zlm.errors import CheckpointError
+from zlm.model.cells import KERNELS, CellChoice, choose_cell
+from zlm.model.lm import ModelConfig
+from zlm.training.config import TrainConfig
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """The concrete settings a run trains with (config.json "resolved")."""
+
+    precision: str  # fp32 | bf16 | fp16
+    cell: str  # fused | reference | plain (what --cell asked for, resolved)
+    kernel: str  # compiled | python | triton | reference | plain (the code that runs)
+    why: str = ""  # one line for the start display (not stored)
+
+    def __post_init__(self):
+        if self.kernel not in KERNELS:
+            raise CheckpointError(f"config.json names an unknown cell kernel {self.kernel!r}; use another checkpoint")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("why")
+        return d
+
+
+def resolve_fresh(cfg: TrainConfig, model: ModelConfig, device: torch.device, on_event=None) -> Resolved:
+    """Resolve `auto` on this machine (rank 0 does this for a new run)."""
+    precision = resolve_precision(device, cfg.precision)
+    cell = choose_cell(cfg.cell, device, on_event, zoneout=(model.zoneout_cell, model.zoneout_hidden))
+    return Resolved(precision, cell.name, cell.kernel, precision_reason(device, precision, cfg.precision))
+
+
+def stored(checkpoint: Path, device: torch.device) -> Resolved:
+    """What the run in `checkpoint` was resolved to when it started."""
+    config = ckpt.read_json(checkpoint / "config.json", "training configuration")
+    if isinstance(config.get("resolved"), dict):
+        try:
+            r = Resolved(**config["resolved"])
+        except TypeError as e:
+            raise CheckpointError(f"{checkpoint}/config.json has a damaged 'resolved' block ({e})") from None
+        return Resolved(r.precision, r.cell, r.kernel, f"as this run started ({checkpoint.name}/config.json)")
+    return _legacy(config.get("train", {}), device)
+
+
+def _legacy(train: dict, device: torch.device) -> Resolved:
+    precision = train.get("precision", "auto")
+    if precision == "auto":
+        precision = "fp32" if device.type == "cpu" else ("bf16" if torch.cuda.is_bf16_supported() else "fp16")
+    cell = train.get("cell", "auto")
+    kernel = "reference" if cell == "reference" else ("python" if device.type == "cpu" else "triton")
+    return Resolved(precision, "reference" if cell == "reference" else "fused", kernel,
+                    "as zlm resolved 'auto' when this run started (written before settings were stored)")
+
+
+def cell_for(resolved: Resolved, model: ModelConfig, device: torch.device, on_event=None) -> CellChoice:
+    """The cell a resolution names, on this machine (a warning if its kernel is missing here)."""
+    return choose_cell(resolved.cell, device, on_event, zoneout=(model.zoneout_cell, model.zoneout_hidden),
+                       kernel=resolved.kernel)
