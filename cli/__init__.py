@@ -6,6 +6,7 @@ library function and renders the result.
     zlm prepare SOURCE --out DATA_DIR    corpus -> tokenizer + train/valid/test.bin
     zlm train SOURCE [--out RUN_DIR]     train a zoneout LSTM, live BPC, checkpoints
     zlm eval RUN                         bits per character on a split or a file
+    zlm compress RUN FILE                code a file with the model (.zlmz); decompress
     zlm sample RUN                       generate text
     zlm score RUN [FILE|-]               bits per character of a text: a heat map of surprise
     zlm info RUN                         what a run or checkpoint holds, without tensors
@@ -37,6 +38,7 @@ app = typer.Typer(
 from zlm.cli import (  # noqa: E402
     bench,
     compare,
+    compress,
     evaluate,
     export,
     info,
@@ -51,6 +53,8 @@ from zlm.cli import (  # noqa: E402
 app.command("prepare")(prepare.command)
 app.command("train")(train.command)
 app.command("eval")(evaluate.command)
+app.command("compress")(compress.command)
+app.command("decompress")(compress.decompress)
 app.command("sample")(sample.command)
 app.command("score")(score.command)
 app.command("info")(info.command)

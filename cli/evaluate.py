@@ -16,6 +16,7 @@ import typer
 from zlm.cli.errors import handle_errors
 from zlm.cli.render import print_pairs, use_rich
 from zlm.errors import UsageError
+from zlm.inference.dynamic import DEFAULT_DECAY, DEFAULT_LR, DEFAULT_SEGMENT, DynamicConfig
 from zlm.inference.evaluate import EvalConfig, EvalResult, evaluate
 
 
@@ -30,21 +31,36 @@ def command(
     file: Annotated[Path | None, typer.Option(
         "--file", help="Score this UTF-8 text file instead of a split.",
         show_default=False)] = None,
-    batch_size: Annotated[int, typer.Option(
-        help="Parallel streams the text is cut into (each starts from a zero state).")] = 16,
+    batch_size: Annotated[int | None, typer.Option(
+        help="Parallel streams the text is cut into (each starts from a zero state) "
+             "[default: 16; 1 with --dynamic, as Krause et al.: one stream adapts to all "
+             "the text before it].", show_default=False)] = None,
     bptt: Annotated[int, typer.Option(
         help="Window length in tokens; the state is carried across windows.")] = 256,
     device: Annotated[str, typer.Option(help="auto | cpu | cuda.")] = "auto",
     unknown: Annotated[str, typer.Option(
         help="--file characters outside a char vocabulary: error | replace (U+FFFD, if "
              "the vocabulary has it).")] = "error",
+    dynamic: Annotated[bool, typer.Option(
+        "--dynamic", help="Dynamic evaluation (Krause et al. 2018): after predicting each "
+        "segment, one RMS-normalised gradient step on it, decaying toward the trained "
+        "weights; the checkpoint is not modified. BPC is the dynamic value, static BPC "
+        "beside it.")] = False,
+    dynamic_lr: Annotated[float, typer.Option(
+        help="--dynamic: step size of the RMS-normalised update.")] = DEFAULT_LR,
+    dynamic_decay: Annotated[float, typer.Option(
+        help="--dynamic: decay toward the trained weights per update.")] = DEFAULT_DECAY,
+    segment: Annotated[int, typer.Option(
+        help="--dynamic: tokens per segment (one update each; replaces --bptt).")] = DEFAULT_SEGMENT,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Bits per character of a split or a text file, state carried across the whole text."""
     if split is not None and file is not None:
         raise UsageError("pass --split or --file, not both")
+    dyn = DynamicConfig(dynamic_lr, dynamic_decay, segment) if dynamic else None
     config = EvalConfig(split=None if file is not None else (split or "valid"), file=file,
-                        streams=batch_size, bptt=bptt, unknown=unknown, device=device)
+                        streams=batch_size or (1 if dynamic else 16), bptt=bptt, unknown=unknown, device=device,
+                        dynamic=dyn)
     result = evaluate(run, config)
     if as_json:
         typer.echo(json.dumps(result.to_dict()))
@@ -54,8 +70,11 @@ def command(
 
 def _rows(r: EvalResult) -> list[tuple[str, str]]:
     s = r.score
-    rows = [("BPC", f"{s.bpc:.4f} bits/character"),
-            ("characters", f"{s.characters:,}")]
+    rows = [("BPC", f"{s.bpc:.4f} bits/character" + (" (dynamic)" if r.dynamic else ""))]
+    if r.static is not None:
+        gain = r.static.bpc - s.bpc
+        rows.append(("static BPC", f"{r.static.bpc:.4f} bits/character (dynamic gains {gain:+.4f})"))
+    rows.append(("characters", f"{s.characters:,}"))
     if s.bytes != s.characters:
         rows.append(("bits per byte", f"{s.bits_per_byte:.4f} bits/byte over {s.bytes:,} bytes"))
     rows += [("perplexity", f"{s.perplexity:.4f} per token ({r.tokenizer} tokens)"),

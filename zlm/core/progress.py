@@ -1,5 +1,6 @@
 """The rich live display for training — the one library module that imports rich.
 
+`make_byte_progress` gives compress/decompress a transfer bar (bytes, KB/s).
 A `RichReporter` shows a status table (step, epoch, train BPC, last valid BPC and
 perplexity, characters/s, learning rate, elapsed, ETA) under a progress bar, updated in
 place. `make_reporter()` picks it on a terminal and plain lines otherwise (or NO_COLOR).
@@ -12,10 +13,18 @@ import sys
 
 from rich.console import Console, Group
 from rich.live import Live
-from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TaskProgressColumn,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
 from rich.table import Table
 
-from zlm.core.report import PlainReporter, Reporter, fmt_duration
+from zlm.core.report import ByteProgress, PlainReporter, Reporter, fmt_duration
 
 
 def use_rich(stream=None) -> bool:
@@ -25,6 +34,33 @@ def use_rich(stream=None) -> bool:
 
 def make_reporter() -> Reporter:
     return RichReporter() if use_rich() else PlainReporter()
+
+
+def make_byte_progress(label: str, total_bytes: int):
+    """A progress bar with KB/s on stderr's terminal, else plain `ByteProgress` lines."""
+    return RichByteProgress(label, total_bytes) if use_rich(sys.stderr) else ByteProgress(
+        label, total_bytes)
+
+
+class RichByteProgress:
+    """rich's transfer bar (bytes, KB/s, time left) on stderr; call it with the fraction done."""
+
+    def __init__(self, label: str, total_bytes: int):
+        self.total = total_bytes
+        self.progress = Progress(TextColumn(f"[bold]{label}"), BarColumn(), TaskProgressColumn(),
+                                 DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
+                                 console=Console(stderr=True), transient=False)
+        self.task = self.progress.add_task(label, total=max(total_bytes, 1))
+
+    def __enter__(self) -> RichByteProgress:
+        self.progress.start()
+        return self
+
+    def __call__(self, fraction: float) -> None:
+        self.progress.update(self.task, completed=fraction * max(self.total, 1))
+
+    def __exit__(self, *exc) -> None:
+        self.progress.stop()
 
 
 class RichReporter(Reporter):

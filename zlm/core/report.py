@@ -1,13 +1,15 @@
 """What the trainer tells the outside world while it runs, without knowing how it is shown.
 
 `Reporter` is the interface (all methods optional no-ops); `PlainReporter` prints plain
-lines. The rich live display lives in `zlm.core.progress`, the only library module that
+lines. `ByteProgress` reports progress through a file (KB/s) for compress/decompress.
+The rich live display lives in `zlm.core.progress`, the only library module that
 imports rich.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 
 
 class Reporter:
@@ -70,3 +72,38 @@ class PlainReporter(Reporter):
 
     def finish(self, summary: dict) -> None:
         self._p("done: " + " ".join(f"{k} {v}" for k, v in summary.items()))
+
+
+class ByteProgress:
+    """Progress through a file of known size, with KB/s; plain lines on a stream (stderr).
+
+    Used as a context manager; calling it with the fraction done (0..1) updates it. A line
+    at most every `every` seconds, and one at the end."""
+
+    def __init__(self, label: str, total_bytes: int, stream=None, every: float = 5.0):
+        self.label, self.total, self.every = label, total_bytes, every
+        self.stream = stream or sys.stderr
+        self.t0 = self.last = 0.0
+        self.done = self.printed = 0.0
+
+    def __enter__(self) -> ByteProgress:
+        self.t0 = self.last = time.perf_counter()
+        return self
+
+    def __call__(self, fraction: float) -> None:
+        self.done = fraction
+        now = time.perf_counter()
+        if now - self.last >= self.every:
+            self.last = now
+            self._line(now)
+
+    def _line(self, now: float) -> None:
+        self.printed = self.done
+        done = self.done * self.total
+        rate = done / 1000 / max(now - self.t0, 1e-9)
+        print(f"{self.label}: {self.done:4.0%} {done / 1000:,.1f} of {self.total / 1000:,.1f} KB "
+              f"at {rate:,.1f} KB/s", file=self.stream, flush=True)
+
+    def __exit__(self, *exc) -> None:
+        if exc[0] is None and self.total and self.last > self.t0 and self.printed < 1:
+            self._line(time.perf_counter())

@@ -18,26 +18,45 @@ from zlm.core.scoring import EvalProtocol, score_predictions, score_split
 from zlm.data.dataset import Dataset
 from zlm.data.tokenizers import context_ids
 from zlm.errors import DataError, UsageError
+from zlm.inference.dynamic import DynamicConfig, dynamic_score_predictions
 from zlm.inference.load import load_model
 
 
 def score_text(lm, text: str, protocol: EvalProtocol = EvalProtocol(1),
-               unknown: str = "error") -> Score:
+               unknown: str = "error", dynamic: DynamicConfig | None = None) -> Score:
     """Score every character of `text`, preceded by one newline token as context.
 
     lm: a `zlm.inference.load.LoadedModel`. Characters outside a char vocabulary raise
     DataError naming the first one and its position, or map to U+FFFD with
-    unknown="replace" (byte and sentencepiece tokenizers never fail).
+    unknown="replace" (byte and sentencepiece tokenizers never fail). dynamic: score
+    with dynamic evaluation (`zlm.inference.dynamic`) instead of the fixed weights.
     """
     ids = lm.tokenizer.encode(text, unknown=unknown)  # (N,) int64
     ctx = context_ids(lm.tokenizer)
     if ctx is None:  # no newline in the vocabulary: the first token is the context
-        return score_split(lm.model, ids, lm.tokenizer, len(text), len(text.encode("utf-8")),
-                           lm.runtime, protocol)
+        return _score_tokens(lm, ids, lm.tokenizer, len(text), len(text.encode("utf-8")),
+                             protocol, dynamic)
     tokens = np.concatenate([ctx[-1:], ids])  # (N+1,)
-    nats, count = score_predictions(lm.model, tokens, lm.runtime, protocol)
+    nats, count = _predict(lm, tokens, protocol, dynamic)
     return Score(nats=float(nats), tokens=int(count), characters=len(text),
                  bytes=len(text.encode("utf-8")))
+
+
+def _predict(lm, tokens, protocol: EvalProtocol, dynamic: DynamicConfig | None):
+    if dynamic is None:
+        return score_predictions(lm.model, tokens, lm.runtime, protocol)
+    return dynamic_score_predictions(lm.model, tokens, lm.runtime, protocol, dynamic)
+
+
+def _score_tokens(lm, tokens, tokenizer, characters: int, n_bytes: int,
+                  protocol: EvalProtocol, dynamic: DynamicConfig | None) -> Score:
+    """`score_split` (the first token is context only), static or dynamic."""
+    if dynamic is None:
+        return score_split(lm.model, tokens, tokenizer, characters, n_bytes, lm.runtime, protocol)
+    nats, count = _predict(lm, tokens, protocol, dynamic)
+    first = tokenizer.decode([int(tokens[0])]) if len(tokens) else ""
+    return Score(nats=float(nats), tokens=int(count), characters=max(characters - len(first), 0),
+                 bytes=max(n_bytes - len(first.encode("utf-8", "replace")), 0))
 
 
 def open_training_data(lm):
@@ -57,12 +76,13 @@ def open_training_data(lm):
     return data
 
 
-def score_data_split(lm, split: str, protocol: EvalProtocol = EvalProtocol()) -> Score:
+def score_data_split(lm, split: str, protocol: EvalProtocol = EvalProtocol(),
+                     dynamic: DynamicConfig | None = None) -> Score:
     """Score a split of the training DATA_DIR (its first token is context only)."""
     data = open_training_data(lm)
     info = data.split_info(split)
-    return score_split(lm.model, data.tokens(split), data.tokenizer, info.characters,
-                       info.bytes, lm.runtime, protocol)
+    return _score_tokens(lm, data.tokens(split), data.tokenizer, info.characters, info.bytes,
+                         protocol, dynamic)
 
 
 # ------------------------------------------------------------------------- zlm eval
@@ -82,8 +102,11 @@ class EvalConfig:
     device: str = "auto"
     precision: str = "fp32"  # exact by default; auto/bf16/fp16 autocast the forward pass
     cell: str = "auto"  # auto | fused | reference
+    dynamic: DynamicConfig | None = None  # --dynamic: also score with dynamic evaluation
 
     def __post_init__(self):
+        if self.dynamic is not None and self.precision != "fp32":
+            raise UsageError("--dynamic runs in fp32; drop --precision")
         if (self.split is None) == (self.file is None):
             raise UsageError("pass one of --split or --file, not both")
         if self.split is not None and self.split not in SPLIT_NAMES:
@@ -109,6 +132,8 @@ class EvalResult:
     seconds: float
     split: str | None = None
     file: str | None = None
+    static: Score | None = None  # with --dynamic: the fixed-weight score under the same streams
+    dynamic: DynamicConfig | None = None
 
     @property
     def chars_per_s(self) -> float:
@@ -123,6 +148,9 @@ class EvalResult:
             "seconds": self.seconds, "protocol": self.protocol, "source": self.source,
             "checkpoint": self.checkpoint, "tokenizer": self.tokenizer, "split": self.split,
             "file": self.file,
+            "dynamic": None if self.dynamic is None else self.dynamic.to_dict(),
+            "static_bpc": None if self.static is None else self.static.bpc,
+            "static_bits_per_byte": None if self.static is None else self.static.bits_per_byte,
         }
 
 
@@ -140,20 +168,31 @@ def read_text_file(path: Path) -> str:
 
 def evaluate_loaded(lm, config: EvalConfig) -> EvalResult:
     """Score `config`'s split or file with a loaded `LanguageModel`."""
-    protocol = config.protocol
+    protocol, dyn = config.protocol, config.dynamic
+    if dyn is not None:  # static and dynamic scored over the same segments as windows
+        protocol = EvalProtocol(config.streams, dyn.segment)
+    static = None
     t0 = time.perf_counter()
     if config.file is not None:
         text = read_text_file(config.file)
-        score = score_text(lm, text, protocol, config.unknown)
+        if dyn is not None:
+            static = score_text(lm, text, protocol, config.unknown)
+            t0 = time.perf_counter()
+        score = score_text(lm, text, protocol, config.unknown, dyn)
         source, context = str(config.file), "the text is preceded by one newline as context"
     else:
-        score = score_data_split(lm, config.split, protocol)
+        if dyn is not None:
+            static = score_data_split(lm, config.split, protocol)
+            t0 = time.perf_counter()
+        score = score_data_split(lm, config.split, protocol, dyn)
         source = f"{config.split} split of {lm.data_path}"
         context = "the split's first token is context"
-    seconds = time.perf_counter() - t0
+    seconds = time.perf_counter() - t0  # of the reported (dynamic, if asked) score only
+    if dyn is not None:
+        context = f"{context}; {dyn.describe()}"
     return EvalResult(score, protocol.describe(score.tokens, context), source, str(lm.path),
                       lm.tokenizer.kind, seconds, config.split,
-                      None if config.file is None else str(config.file))
+                      None if config.file is None else str(config.file), static, dyn)
 
 
 def evaluate(path, config: EvalConfig = EvalConfig()) -> EvalResult:

@@ -118,20 +118,7 @@ class Stepper:
         self.ext = load_extension() if dev.type == "cpu" and dt in (torch.float32, torch.float64) else None
         self.lp = lp and self.ext is not None and dt == torch.float32
         wd = torch.bfloat16 if self.lp else dt
-        if self.ext is None:  # i, f, g, o -> i, f, o, g: one sigmoid over (B, 3H)
-            perm = torch.cat([torch.arange(0, 2 * H), torch.arange(3 * H, 4 * H),
-                              torch.arange(2 * H, 3 * H)]).to(dev)
-        else:
-            perm = torch.arange(4 * H, device=dev)
-        first = model.layers[0]
-        with torch.no_grad():
-            emb = model.embedding.weight  # (V, E)
-            self.table = torch.addmm(first.bias, emb, first.weight_ih.t())[:, perm].contiguous()
-            self.w_hh = [layer.weight_hh[perm].t().to(wd).contiguous() for layer in model.layers]  # (H, 4H)
-            self.w_ih = [layer.weight_ih[perm].t().to(wd).contiguous() for layer in model.layers]  # (I, 4H)
-            self.bias = [layer.bias[perm].to(wd).contiguous() for layer in model.layers]  # (4H,)
-            self.dec_w = model.decoder.weight.t().contiguous()  # (H, V)
-            self.dec_b = model.decoder.bias.detach().clone()  # (V,)
+        self.load_weights(model)
         self.keep_c = [layer.zoneout_cell for layer in model.layers]
         self.keep_h = [layer.zoneout_hidden for layer in model.layers]
         self.h = torch.zeros(cfg.layers, B, H, device=dev, dtype=dt)  # (L, B, H)
@@ -144,6 +131,25 @@ class Stepper:
         # Views fixed once: sigmoid over i, f, o (B, 3H), tanh over g (B, H).
         self.views = [(g[:, : 3 * H], g[:, 3 * H :], g[:, :H], g[:, H : 2 * H], g[:, 2 * H : 3 * H],
                        g[:, 3 * H :]) for g in self.gates]
+
+    @torch.no_grad()
+    def load_weights(self, model: ZoneoutLM) -> None:
+        """(Re)derive the step's weight layouts from `model` (after its weights changed)."""
+        H, dev = model.config.hidden, model.decoder.weight.device
+        wd = torch.bfloat16 if self.lp else model.decoder.weight.dtype
+        if self.ext is None:  # i, f, g, o -> i, f, o, g: one sigmoid over (B, 3H)
+            perm = torch.cat([torch.arange(0, 2 * H), torch.arange(3 * H, 4 * H),
+                              torch.arange(2 * H, 3 * H)]).to(dev)
+        else:
+            perm = torch.arange(4 * H, device=dev)
+        first = model.layers[0]
+        emb = model.embedding.weight  # (V, E)
+        self.table = torch.addmm(first.bias, emb, first.weight_ih.t())[:, perm].contiguous()
+        self.w_hh = [layer.weight_hh[perm].t().to(wd).contiguous() for layer in model.layers]  # (H, 4H)
+        self.w_ih = [layer.weight_ih[perm].t().to(wd).contiguous() for layer in model.layers]  # (I, 4H)
+        self.bias = [layer.bias[perm].to(wd).contiguous() for layer in model.layers]  # (4H,)
+        self.dec_w = model.decoder.weight.t().contiguous()  # (H, V)
+        self.dec_b = model.decoder.bias.detach().clone()  # (V,)
 
     def set_state(self, h: Tensor, c: Tensor) -> None:
         """h, c: (L, 1 or B, H), broadcast over the B streams."""
