@@ -12,8 +12,7 @@ from typing import Annotated
 
 import typer
 
-from zlm.cli.errors import handle_errors
-from zlm.cli.render import use_rich
+from zlm.cli.render import handle_errors, use_rich
 from zlm.core.report import fmt_duration
 from zlm.tools.compare import Comparison, compare_runs
 

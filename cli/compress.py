@@ -13,8 +13,7 @@ from typing import Annotated
 
 import typer
 
-from zlm.cli.errors import handle_errors
-from zlm.cli.render import print_pairs, use_rich
+from zlm.cli.render import handle_errors, print_pairs, use_rich
 from zlm.core.progress import make_byte_progress
 from zlm.errors import UsageError
 from zlm.inference.compress import CompressResult, compress_file, decompress_file

@@ -13,8 +13,7 @@ from typing import Annotated
 
 import typer
 
-from zlm.cli.errors import handle_errors
-from zlm.cli.render import print_pairs, use_rich
+from zlm.cli.render import handle_errors, print_pairs, use_rich
 from zlm.errors import UsageError
 from zlm.inference.dynamic import DEFAULT_DECAY, DEFAULT_LR, DEFAULT_SEGMENT, DynamicConfig
 from zlm.inference.evaluate import EvalConfig, EvalResult, evaluate
@@ -59,7 +58,7 @@ def command(
         raise UsageError("pass --split or --file, not both")
     dyn = DynamicConfig(dynamic_lr, dynamic_decay, segment) if dynamic else None
     config = EvalConfig(split=None if file is not None else (split or "valid"), file=file,
-                        streams=batch_size or (1 if dynamic else 16), bptt=bptt, unknown=unknown, device=device,
+                        streams=(1 if dynamic else 16) if batch_size is None else batch_size, bptt=bptt, unknown=unknown, device=device,
                         dynamic=dyn)
     result = evaluate(run, config)
     if as_json:

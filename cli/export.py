@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from zlm.cli.errors import handle_errors
+from zlm.cli.render import handle_errors
 from zlm.inference.export import ExportConfig, export_run
 
 

@@ -11,8 +11,7 @@ from typing import Annotated
 
 import typer
 
-from zlm.cli.errors import handle_errors
-from zlm.cli.render import print_pairs, use_rich
+from zlm.cli.render import handle_errors, print_pairs, use_rich
 from zlm.tools.info import describe
 
 

@@ -12,8 +12,7 @@ from typing import Annotated
 
 import typer
 
-from zlm.cli.errors import handle_errors
-from zlm.cli.render import use_rich
+from zlm.cli.render import handle_errors, use_rich
 from zlm.data.dataset import SPLITS
 from zlm.data.prepare import PrepareConfig, prepare
 from zlm.errors import UsageError

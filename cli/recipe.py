@@ -17,8 +17,7 @@ from typing import Annotated
 
 import typer
 
-from zlm.cli.errors import handle_errors
-from zlm.cli.render import use_rich
+from zlm.cli.render import handle_errors, use_rich
 from zlm.errors import UsageError
 from zlm.tools import corpora_benchmark as cb
 from zlm.tools.recipes import RecipeConfig, RecipeResult, run_recipe

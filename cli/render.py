@@ -1,10 +1,34 @@
-"""Shared CLI output: whether to render with rich, and a two-column key/value table."""
+"""How the CLI speaks: library errors as one line on stderr and an exit code (`handle_errors`),
+rich on a terminal or plain lines (`use_rich`), and two-column key/value tables."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 import typer
+
+from zlm.errors import ZlmError
+
+F = TypeVar("F", bound=Callable)
+
+
+def handle_errors(fn: F) -> F:
+    """Wrap a command: `ZlmError` -> `error: <message>` and its exit code, no traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except ZlmError as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(e.exit_code) from None
+        except KeyboardInterrupt:
+            typer.echo("interrupted", err=True)
+            raise typer.Exit(130) from None
+
+    return wrapper  # type: ignore[return-value]
 
 
 def use_rich() -> bool:

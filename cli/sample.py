@@ -15,7 +15,7 @@ from typing import Annotated
 
 import typer
 
-from zlm.cli.errors import handle_errors
+from zlm.cli.render import handle_errors
 from zlm.cli.textinput import read_text
 from zlm.errors import UsageError
 from zlm.inference.sample import SampleConfig, sample_checkpoint

@@ -15,9 +15,8 @@ from typing import Annotated
 
 import typer
 
-from zlm.cli.errors import handle_errors
 from zlm.cli.heatmap import check_html_target, plain_lines, print_rich, write_html
-from zlm.cli.render import print_pairs, use_rich
+from zlm.cli.render import handle_errors, print_pairs, use_rich
 from zlm.cli.textinput import read_text
 from zlm.core.metrics import LN2
 from zlm.inference.score import ScoreConfig, ScoredText, score

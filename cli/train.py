@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from zlm.cli.errors import handle_errors
+from zlm.cli.render import handle_errors
 from zlm.core.progress import make_reporter
 from zlm.inference.api import load
 from zlm.training.config import parse_duration

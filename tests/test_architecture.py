@@ -25,9 +25,6 @@ LAYERS = {  # package -> rank; a module may import its own rank or lower
 }
 MAX_FUNCTION_LINES = 80
 MAX_MODULES_PER_PACKAGE = 15
-# cli/ holds one module per command (+ errors, render, and score's helpers); with
-# compress/decompress (issue 17) it is 16: split it into subpackages before it grows more.
-MODULE_LIMIT_EXCEPTIONS = {"zlm.cli": 16}
 
 
 def modules() -> dict[str, Path]:
@@ -169,5 +166,5 @@ def test_packages_are_small():
         if path.name != "__init__.py":
             per_package[name.rpartition(".")[0]] += 1
     big = {p: n for p, n in per_package.items()
-           if n > MODULE_LIMIT_EXCEPTIONS.get(p, MAX_MODULES_PER_PACKAGE)}
+           if n > MAX_MODULES_PER_PACKAGE}
     assert not big, f"packages with more than {MAX_MODULES_PER_PACKAGE} modules: {big}"
