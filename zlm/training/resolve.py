@@ -72,7 +72,12 @@ def _legacy(train: dict, device: torch.device) -> Resolved:
                     "as zlm resolved 'auto' when this run started (written before settings were stored)")
 
 
-def cell_for(resolved: Resolved, model: ModelConfig, device: torch.device, on_event=None) -> CellChoice:
-    """The cell a resolution names, on this machine (a warning if its kernel is missing here)."""
-    return choose_cell(resolved.cell, device, on_event, zoneout=(model.zoneout_cell, model.zoneout_hidden),
+def cell_for(resolved: Resolved, requested: str, model: ModelConfig, device: torch.device,
+             on_event=None) -> CellChoice:
+    """The cell a resolution names, on this machine (a warning if its kernel is missing here).
+
+    requested: --cell as given; when it is what the resolution names, the start line says
+    "requested", otherwise it says why `auto` chose it."""
+    request = requested if requested == resolved.cell else "auto"
+    return choose_cell(request, device, on_event, zoneout=(model.zoneout_cell, model.zoneout_hidden),
                        kernel=resolved.kernel)

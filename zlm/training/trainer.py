@@ -105,7 +105,7 @@ class Trainer:
         self.resolved = par.broadcast_object(self._resolve(model_config, latest, device) if par.is_main else None)
         self.runtime = Runtime(device, self.resolved.precision)
         torch.manual_seed(cfg.seed + par.rank)
-        self.cell = cell_for(self.resolved, model_config, device, self.rep.message)
+        self.cell = cell_for(self.resolved, cfg.cell, model_config, device, self.rep.message)
         self.model = ZoneoutLM(model_config, self.cell.fn).to(self.runtime.device)
         self.ddp_model = par.wrap_model(self.model)
         opt_cls, opt_kw = build_optimizer(cfg)

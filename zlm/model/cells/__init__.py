@@ -106,7 +106,8 @@ def choose_cell(request: str = "auto", device: torch.device | str = "cpu",
         why = "requested with --cell plain" if request == "plain" else "auto: no zoneout, so torch's LSTM kernel"
         return CellChoice("plain", lstm_plain, why, "plain")
     if request == "reference" or (request == "auto" and kernel == "reference"):
-        return CellChoice("reference", zoneout_lstm_reference, "requested with --cell reference", "reference")
+        why = "requested with --cell reference" if request == "reference" else "as this run was started"
+        return CellChoice("reference", zoneout_lstm_reference, why, "reference")
     fn, why, got = _fused_for(device, on_event, kernel)
     if fn is not None:
         if kernel is not None and got != kernel and on_event is not None:
