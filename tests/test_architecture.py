@@ -19,7 +19,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = {  # package -> rank; a module may import its own rank or lower
-    "zlm.version": 0, "zlm.errors": 0, "zlm.data": 1, "zlm.model": 2, "zlm.core": 3,
+    "zlm.version": 0, "zlm.errors": 0, "zlm.atomic": 0, "zlm.data": 1, "zlm.model": 2, "zlm.core": 3,
     "zlm.training": 4, "zlm.inference": 4, "zlm.tools": 5, "zlm.cli": 6, "zlm.corpora": 0,
     "zlm.__main__": 7,
 }

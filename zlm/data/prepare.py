@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from zlm.atomic import replace_directory
 from zlm.data import catalog, textio
 from zlm.data.dataset import SPLITS, Dataset
 from zlm.data.passes import Passes, Plan, Scan
@@ -143,7 +144,7 @@ def prepare(source, out, config: PrepareConfig = PrepareConfig(),
             "unknown": plan.unknown,
         }
         (tmp / "dataset.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-        _move_into_place(tmp, out)
+        replace_directory(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -160,15 +161,6 @@ def _check_out(out: pathlib.Path, force: bool) -> None:
     if not {p.name for p in out.iterdir()} <= _DATA_FILES:
         raise UsageError(f"--out {out} holds files that are not a zlm DATA_DIR's; refusing to "
                          "delete them even with --force; choose another --out")
-
-def _move_into_place(tmp: pathlib.Path, out: pathlib.Path) -> None:
-    old = None
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        os.replace(out, old)
-    os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 def _plan(source, config: PrepareConfig) -> Plan:
     is_name = isinstance(source, str) and not os.path.exists(source) and source in catalog.names()

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from zlm.atomic import replace_directory
 from zlm.data.tokenizers import context_ids
 from zlm.errors import UsageError, ZlmError
 from zlm.inference.load import load_model
@@ -156,17 +157,6 @@ def _meta(lm, fmt: str, tokenizer_file: str) -> dict:
     }
 
 
-def _install(tmp: Path, out: Path) -> None:
-    """Move the finished export into place, replacing an old one only once the new is whole."""
-    old = None
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
-        os.replace(out, old)
-    os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def export_run(path, config: ExportConfig) -> ExportResult:
     """`zlm export`: load a RUN_DIR or checkpoint on the CPU in fp32 and write OUT."""
     out = Path(config.out)
@@ -185,7 +175,7 @@ def export_run(path, config: ExportConfig) -> ExportResult:
         tok_file = lm.tokenizer.save(tmp).name
         meta = _meta(lm, config.format, tok_file)
         (tmp / "zlm-export.json").write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
-        _install(tmp, out)
+        replace_directory(tmp, out)
     except OSError as e:
         raise UsageError(f"-o {out} cannot be written ({e.strerror or e}); choose a writable "
                          "place with free space") from None
