@@ -50,6 +50,7 @@ def test_unknown_prime_characters(run, tmp_path):
     f.write_text("Caf\u00e9 \u20ac", encoding="utf-8")
     one_line_error(invoke("sample", run, "--prime-file", f, "--length", "5"), 2,
                    f"--prime-file {f}: character '\u00e9' (U+00E9) at character 3")
+    assert "or pass --unknown replace" in invoke("sample", run, "--prime-file", f).output  # it has U+FFFD
     one_line_error(invoke("sample", run, "--prime", "-", "--length", "5", input="x\u00e9"), 2,
                    "--prime - (standard input): character '\u00e9' (U+00E9) at character 1")
     out = ok("sample", run, "--prime-file", f, "--unknown", "replace", "--length", "10", "--seed", "1")
@@ -69,3 +70,13 @@ def test_bad_prime_input(run, tmp_path):
     bare = tmp_path / "bare"
     bare.mkdir()
     one_line_error(invoke("sample", bare, "--prime", "ab"), 1, "checkpoint")
+
+
+def test_no_replacement_entry_no_replace_suggestion(tmp_path):
+    """A vocabulary without U+FFFD: the error does not suggest --unknown replace, which would fail too."""
+    plain = train_tiny(tmp_path, shakespeare_text(30_000))
+    res = invoke("sample", plain, "--prime", "caf\u00e9", "--length", "5")
+    one_line_error(res, 2, "remove or replace it in the prime")
+    assert "--unknown replace" not in res.output
+    one_line_error(invoke("sample", plain, "--prime", "caf\u00e9", "--unknown", "replace"), 2,
+                   "no replacement character")

@@ -252,10 +252,23 @@ def encode_prime(lm, prime: str, unknown: str = "error", flag: str = "--prime") 
         ids = lm.tokenizer.encode(prime, unknown=unknown)
     except ZlmError as e:
         reason = str(e).split(";")[0]
-        fix = ("prepare the data with --unknown replace to have one" if unknown == "replace"
-               else "remove or replace it in the prime, or pass --unknown replace")
+        has_replacement = _encodes(lm.tokenizer, "\ufffd")
+        if unknown == "replace":
+            fix = "prepare the data with --unknown replace to have one"
+        elif has_replacement:
+            fix = "remove or replace it in the prime, or pass --unknown replace"
+        else:  # --unknown replace would fail too: this vocabulary has no U+FFFD
+            fix = "remove or replace it in the prime"
         raise UsageError(f"{flag}: {reason}; {fix}") from None
     return torch.from_numpy(ids)
+
+
+def _encodes(tokenizer, text: str) -> bool:
+    try:
+        tokenizer.encode(text, unknown="error")
+    except ZlmError:
+        return False
+    return True
 
 
 @torch.no_grad()  # not inference_mode: the fused cell reuses workspaces across calls
