@@ -1,5 +1,6 @@
 """Tools built on training and inference: benchmarks (bench), learning curves (curves, plot),
-comparing runs (compare), whole experiments (recipes) and inspecting a checkpoint (info).
+comparing runs (compare), whole experiments (recipes, corpora_benchmark), zlm against everyday
+compressors (compressors), inspecting a checkpoint (info) and this machine (environment).
 
 May import every zlm layer below it; only the CLI imports tools.
 """
