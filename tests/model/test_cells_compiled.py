@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cell_cases import NAMES, cell_inputs, cell_outputs
 
 from zlm.model.cells import choose_cell, cpu_ext
 from zlm.model.cells.compiled import make_compiled_cell
@@ -21,9 +22,6 @@ from zlm.model.lm import ModelConfig, ZoneoutLM
 
 TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
 BF16_REL = 2e-2
-NAMES = ["y", "h_T", "c_T", "dx", "dh0", "dc0", "dW_ih", "dW_hh", "db"]
-
-
 @pytest.fixture(scope="module")
 def cell():
     ext = cpu_ext.load_extension()
@@ -42,41 +40,13 @@ def _fresh_caches():
     yield
 
 
-def _inputs(T, B, I, H, dtype, masks, seed=0):
-    """Leaf inputs (x, h0, c0, w_ih, w_hh, b) and keeps: masks, eval floats or zoneout off."""
-    g = torch.Generator().manual_seed(seed)
-
-    def leaf(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g, dtype=dtype) * scale).requires_grad_()
-
-    w = 0.3 * min(1.0, (32 / H) ** 0.5)  # pre-activations O(1) at any H (H=1000: two threads)
-    args = [leaf(T, B, I), leaf(B, H), leaf(B, H), leaf(4 * H, I, scale=0.3),
-            leaf(4 * H, H, scale=w), leaf(4 * H, scale=0.1)]  # fmt: skip
-    if masks == "train":
-        keeps = [(torch.rand(T, B, H, generator=g) < z).to(dtype) for z in (0.5, 0.05)]
-    elif masks == "eval":
-        keeps = [0.5, 0.05]
-    else:
-        keeps = [0.0, 0.0]
-    return args, keeps
-
-
-def _run(fn, args, keeps, seed=1):
-    """Outputs and the gradients of a loss that uses y, h_T and c_T."""
-    args = [a.detach().clone().requires_grad_() for a in args]
-    y, h, c = fn(*args, *keeps)
-    w = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed), dtype=y.dtype)
-    ((y * w).sum() + h.pow(2).sum() + (1.5 * c).sum()).backward()
-    return [y, h, c] + [a.grad for a in args]
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("masks", ["train", "eval", "off"])
 @pytest.mark.parametrize("shape", [(7, 3, 5, 6), (1, 2, 4, 3), (12, 8, 16, 32)])
 def test_matches_reference(cell, dtype, masks, shape):
-    args, keeps = _inputs(*shape, dtype, masks)
-    want = _run(zoneout_lstm_reference, args, keeps)
-    got = _run(cell, args, keeps)
+    args, keeps = cell_inputs(*shape, dtype, masks)
+    want = cell_outputs(zoneout_lstm_reference, args, keeps)
+    got = cell_outputs(cell, args, keeps)
     for name, a, b in zip(NAMES, got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=TOL[dtype], msg=name)
 
@@ -85,9 +55,9 @@ def test_matches_reference(cell, dtype, masks, shape):
 def test_rows_split_over_threads_match_reference(cell, dtype):
     """B*H above the kernel's grain (32K elements): rows run in parallel chunks. fp32 sums
     over 4000 gates here, so its bound is 5e-5 (the Python fused cell is as far off)."""
-    args, keeps = _inputs(3, 40, 8, 1000, dtype, "train")
-    want = _run(zoneout_lstm_reference, args, keeps)
-    got = _run(cell, args, keeps)
+    args, keeps = cell_inputs(3, 40, 8, 1000, dtype, "train")
+    want = cell_outputs(zoneout_lstm_reference, args, keeps)
+    got = cell_outputs(cell, args, keeps)
     atol = 5e-5 if dtype == torch.float32 else TOL[dtype]
     for name, a, b in zip(NAMES, got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=atol, msg=name)
@@ -95,17 +65,17 @@ def test_rows_split_over_threads_match_reference(cell, dtype):
 
 @pytest.mark.parametrize("masks", ["train", "eval"])
 def test_gradcheck_float64(cell, masks):
-    args, keeps = _inputs(3, 2, 3, 2, torch.float64, masks, seed=3)
+    args, keeps = cell_inputs(3, 2, 3, 2, torch.float64, masks, seed=3)
     assert torch.autograd.gradcheck(lambda *a: cell(*a, *keeps), args)
 
 
 @pytest.mark.parametrize("masks", ["train", "eval", "off"])
 def test_bf16_autocast_within_2e2_of_fp32_reference(cell, masks):
     """bf16 multiplies, fp32 state: outputs and gradients fp32, within 2e-2 relative."""
-    args, keeps = _inputs(20, 8, 16, 64, torch.float32, masks)
-    want = _run(zoneout_lstm_reference, args, keeps)
+    args, keeps = cell_inputs(20, 8, 16, 64, torch.float32, masks)
+    want = cell_outputs(zoneout_lstm_reference, args, keeps)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        got = _run(cell, args, keeps)
+        got = cell_outputs(cell, args, keeps)
     for name, a, b in zip(NAMES, got, want, strict=True):
         assert a.dtype == torch.float32, name
         rel = ((a - b).norm() / b.norm()).item()
@@ -115,7 +85,7 @@ def test_bf16_autocast_within_2e2_of_fp32_reference(cell, masks):
 def test_no_grad_windows_and_single_steps(cell):
     """The inference path (nothing saved), T=1 calls with the state carried, and a weight
     update in between (an optimizer step must not hit a stale packed weight)."""
-    args, _ = _inputs(1, 1, 8, 16, torch.float32, "eval")
+    args, _ = cell_inputs(1, 1, 8, 16, torch.float32, "eval")
     x, h, c, w_ih, w_hh, b = (a.detach() for a in args)
     hr, cr = h, c
     with torch.no_grad():
@@ -129,12 +99,12 @@ def test_no_grad_windows_and_single_steps(cell):
 
 
 def test_outputs_survive_later_windows_and_retained_graphs(cell):
-    args, keeps = _inputs(4, 2, 3, 5, torch.float64, "train")
+    args, keeps = cell_inputs(4, 2, 3, 5, torch.float64, "train")
     y, h, c = cell(*args, *keeps)
     saved = [t.detach().clone() for t in (y, h, c)]
     loss = y.sum() + c.sum()
     g1 = torch.autograd.grad(loss, args, retain_graph=True)
-    args2, _ = _inputs(4, 2, 3, 5, torch.float64, "train", seed=9)
+    args2, _ = cell_inputs(4, 2, 3, 5, torch.float64, "train", seed=9)
     cell(*(a.detach() for a in args2), *keeps)  # another window in between
     g2 = torch.autograd.grad(loss, args)
     for a, b in zip((y, h, c), saved, strict=True):

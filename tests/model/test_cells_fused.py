@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cell_cases import NAMES, cell_inputs, cell_outputs
 
 from zlm.model.cells import choose_cell
 from zlm.model.cells.fused import zoneout_lstm_fused
@@ -22,61 +23,30 @@ def _fresh_caches():
     yield
 
 
-def _inputs(T, B, I, H, dtype, masks, seed=0):
-    """Leaf inputs (x, h0, c0, w_ih, w_hh, b) and keeps: masks, eval floats or zoneout off."""
-    g = torch.Generator().manual_seed(seed)
-
-    def leaf(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g, dtype=dtype) * scale).requires_grad_()
-
-    args = [leaf(T, B, I), leaf(B, H), leaf(B, H), leaf(4 * H, I, scale=0.3),
-            leaf(4 * H, H, scale=0.3), leaf(4 * H, scale=0.1)]  # fmt: skip
-    if masks == "train":
-        keeps = [(torch.rand(T, B, H, generator=g) < z).to(dtype) for z in (0.5, 0.05)]
-    elif masks == "eval":
-        keeps = [0.5, 0.05]
-    else:
-        keeps = [0.0, 0.0]
-    return args, keeps
-
-
-def _run(cell, args, keeps, seed=1):
-    """Outputs and the gradients of a loss that uses y, h_T and c_T."""
-    args = [a.detach().clone().requires_grad_() for a in args]
-    y, h, c = cell(*args, *keeps)
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(y.shape, generator=g, dtype=y.dtype)
-    ((y * w).sum() + h.pow(2).sum() + (1.5 * c).sum()).backward()
-    return [y, h, c] + [a.grad for a in args]
-
-
-NAMES = ["y", "h_T", "c_T", "dx", "dh0", "dc0", "dW_ih", "dW_hh", "db"]
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("masks", ["train", "eval", "off"])
 @pytest.mark.parametrize("shape", [(7, 3, 5, 6), (1, 2, 4, 3), (12, 8, 16, 32)])
 def test_matches_reference(dtype, masks, shape):
-    args, keeps = _inputs(*shape, dtype, masks)
-    want = _run(zoneout_lstm_reference, args, keeps)
-    got = _run(zoneout_lstm_fused, args, keeps)
+    args, keeps = cell_inputs(*shape, dtype, masks)
+    want = cell_outputs(zoneout_lstm_reference, args, keeps)
+    got = cell_outputs(zoneout_lstm_fused, args, keeps)
     for name, a, b in zip(NAMES, got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=TOL[dtype], msg=name)
 
 
 def test_gradcheck_float64_with_masks():
-    args, keeps = _inputs(3, 2, 3, 2, torch.float64, "train", seed=3)
+    args, keeps = cell_inputs(3, 2, 3, 2, torch.float64, "train", seed=3)
     assert torch.autograd.gradcheck(lambda *a: zoneout_lstm_fused(*a, *keeps), args)
 
 
 def test_gradcheck_float64_eval():
-    args, keeps = _inputs(3, 2, 3, 2, torch.float64, "eval", seed=4)
+    args, keeps = cell_inputs(3, 2, 3, 2, torch.float64, "eval", seed=4)
     assert torch.autograd.gradcheck(lambda *a: zoneout_lstm_fused(*a, *keeps), args)
 
 
 def test_unused_outputs_and_partial_grads():
     """Only y used, and only some inputs require grad: the rest must be None/untouched."""
-    args, keeps = _inputs(5, 2, 3, 4, torch.float64, "train")
+    args, keeps = cell_inputs(5, 2, 3, 4, torch.float64, "train")
     x, h0, c0, w_ih, w_hh, b = (a.detach() for a in args)
     w_hh.requires_grad_()
     for cell in (zoneout_lstm_reference, zoneout_lstm_fused):
@@ -112,7 +82,7 @@ def test_no_zoneout_equals_torch_lstm(dtype):
 
 def test_no_grad_and_single_step_match_reference():
     """The inference path (nothing saved) and T=1 calls, as a sampler makes them."""
-    args, _ = _inputs(1, 1, 8, 16, torch.float32, "eval")
+    args, _ = cell_inputs(1, 1, 8, 16, torch.float32, "eval")
     x, h, c, w_ih, w_hh, b = (a.detach() for a in args)
     hr, cr = h, c
     with torch.no_grad():
@@ -132,18 +102,18 @@ def test_no_grad_and_single_step_match_reference():
 
 def test_outputs_do_not_alias_the_workspace():
     """A later window must not overwrite the y, h_T, c_T a caller still holds."""
-    args, keeps = _inputs(4, 2, 3, 5, torch.float64, "eval")
+    args, keeps = cell_inputs(4, 2, 3, 5, torch.float64, "eval")
     args = [a.detach() for a in args]
     y1, h1, c1 = zoneout_lstm_fused(*args, *keeps)
     saved = [t.clone() for t in (y1, h1, c1)]
-    args2, _ = _inputs(4, 2, 3, 5, torch.float64, "eval", seed=9)
+    args2, _ = cell_inputs(4, 2, 3, 5, torch.float64, "eval", seed=9)
     zoneout_lstm_fused(*(a.detach() for a in args2), *keeps)
     for a, b in zip((y1, h1, c1), saved, strict=True):
         assert torch.equal(a, b)
 
 
 def test_retain_graph_backward_twice():
-    args, keeps = _inputs(4, 2, 3, 5, torch.float64, "train")
+    args, keeps = cell_inputs(4, 2, 3, 5, torch.float64, "train")
     y, h, c = zoneout_lstm_fused(*args, *keeps)
     loss = y.sum() + c.sum()
     g1 = torch.autograd.grad(loss, args, retain_graph=True)
