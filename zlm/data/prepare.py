@@ -37,6 +37,7 @@ from zlm.data.tokenizers import (
     UNKNOWN_POLICIES,
     CharTokenizer,
     Tokenizer,
+    check_unknown,
     token_dtype,
     train_tokenizer,
 )
@@ -92,8 +93,8 @@ class PrepareConfig:
             raise UsageError("--vocab-size applies to --tokenizer bpe or unigram only")
         if self.vocab_size is not None and self.vocab_size < 2:
             raise UsageError(f"--vocab-size {self.vocab_size} is too small; pass e.g. 1024")
-        if self.unknown is not None and self.unknown not in VOCAB_POLICIES:
-            raise UsageError(f"--unknown {self.unknown} is not a policy; use error, replace or include")
+        if self.unknown is not None:
+            check_unknown(self.unknown, VOCAB_POLICIES)
         if self.format not in textio.FORMATS:
             raise UsageError(f"--format {self.format} is not a format; use one of "
                              f"{', '.join(textio.FORMATS)}")

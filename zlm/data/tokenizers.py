@@ -85,9 +85,11 @@ class Tokenizer(ABC):
         return {"kind": self.kind, "vocab_size": self.vocab_size, "file": self.file_name}
 
 
-def _check_unknown(unknown: str) -> None:
-    if unknown not in UNKNOWN_POLICIES:
-        raise UsageError(f"unknown={unknown!r} is not a policy; use 'error' or 'replace'")
+def check_unknown(unknown: str, allowed: tuple[str, ...] = UNKNOWN_POLICIES) -> None:
+    """UsageError naming --unknown unless `unknown` is one of `allowed` (every command's check)."""
+    if unknown not in allowed:
+        choices = ", ".join(allowed[:-1]) + f" or {allowed[-1]}"
+        raise UsageError(f"--unknown {unknown} is not a policy; use {choices}")
 
 
 # ----------------------------------------------------------------------------- char
@@ -128,7 +130,7 @@ class CharTokenizer(Tokenizer):
 
     def ids(self, text: str, unknown: str = "error") -> np.ndarray:
         """Like `encode` but uint8 or int32: the fast path `zlm.data.prepare` uses. (len(text),)"""
-        _check_unknown(unknown)
+        check_unknown(unknown)
         if self._ascii is not None and text.isascii():
             out = text.encode("ascii").translate(self._ascii)
             if 255 not in out:
@@ -191,7 +193,7 @@ class ByteTokenizer(Tokenizer):
     vocab_size = 256
 
     def encode(self, text: str, unknown: str = "error") -> np.ndarray:
-        _check_unknown(unknown)
+        check_unknown(unknown)
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
 
     def decode(self, ids) -> str:
@@ -246,7 +248,7 @@ class SentencePieceTokenizer(Tokenizer):
         self._meta_ids = [self.sp.piece_to_id(f"<0x{b:02X}>") for b in _SP_META.encode()]
 
     def encode(self, text: str, unknown: str = "error") -> np.ndarray:
-        _check_unknown(unknown)
+        check_unknown(unknown)
         parts = text.split(_SP_META)
         ids: list[int] = list(self.sp.encode(parts[0]))
         for part in parts[1:]:
@@ -317,7 +319,7 @@ def train_tokenizer(
     """
     if kind not in KINDS:
         raise UsageError(f"--tokenizer {kind} is not a tokenizer; use one of {', '.join(KINDS)}")
-    _check_unknown(unknown)
+    check_unknown(unknown)
     if vocab_size is not None and kind in ("char", "byte"):
         raise UsageError(f"--vocab-size applies to bpe/unigram only, not --tokenizer {kind}")
     chunks = [sample] if isinstance(sample, str) else sample

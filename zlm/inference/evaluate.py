@@ -16,7 +16,7 @@ import numpy as np
 from zlm.core.metrics import Score
 from zlm.core.scoring import EvalProtocol, score_predictions, score_split
 from zlm.data.dataset import Dataset
-from zlm.data.tokenizers import context_ids
+from zlm.data.tokenizers import check_unknown, context_ids
 from zlm.errors import DataError, UsageError
 from zlm.inference.dynamic import DynamicConfig, dynamic_score_predictions
 from zlm.inference.load import load_model
@@ -111,8 +111,7 @@ class EvalConfig:
             raise UsageError("pass one of --split or --file, not both")
         if self.split is not None and self.split not in SPLIT_NAMES:
             raise UsageError(f"--split {self.split} is not a split; use valid, test or train")
-        if self.unknown not in ("error", "replace"):
-            raise UsageError(f"--unknown {self.unknown} is not a policy; use error or replace")
+        check_unknown(self.unknown)
         EvalProtocol(self.streams, self.bptt)  # checks --batch-size and --bptt
 
     @property

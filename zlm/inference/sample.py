@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from zlm.core.metrics import LN2
-from zlm.data.tokenizers import context_ids
+from zlm.data.tokenizers import check_unknown, context_ids
 from zlm.errors import UsageError, ZlmError
 from zlm.inference.load import load_model
 from zlm.model.cells.cpu_ext import load_extension
@@ -69,8 +69,7 @@ class SampleConfig:
             raise UsageError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.num_samples < 1:
             raise UsageError(f"--num-samples must be >= 1, got {self.num_samples}")
-        if self.unknown not in ("error", "replace"):
-            raise UsageError(f"--unknown {self.unknown} is not a policy; use error or replace")
+        check_unknown(self.unknown)
 
 
 @dataclass(frozen=True)

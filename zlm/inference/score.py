@@ -19,7 +19,7 @@ import numpy as np
 
 from zlm.core.metrics import LN2, Score
 from zlm.core.scoring import EvalProtocol
-from zlm.data.tokenizers import Tokenizer
+from zlm.data.tokenizers import Tokenizer, check_unknown
 from zlm.errors import DataError, UsageError
 from zlm.inference.codelength import ATTRIBUTION, char_bits, char_tokens, token_predictions
 from zlm.inference.load import load_model
@@ -38,8 +38,7 @@ class ScoreConfig:
     cell: str = "auto"
 
     def __post_init__(self):
-        if self.unknown not in ("error", "replace"):
-            raise UsageError(f"--unknown {self.unknown} is not a policy; use error or replace")
+        check_unknown(self.unknown)
         if self.top_k < 0:
             raise UsageError(f"--top-k must be >= 0, got {self.top_k}")
         EvalProtocol(self.streams, self.bptt)  # checks --batch-size and --bptt
