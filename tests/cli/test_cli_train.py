@@ -24,12 +24,13 @@ def test_prepare_train_checkpoint_resume(tmp_path):
     run = tmp_path / "run"
     r = runner.invoke(app, ["train", str(data), "--out", str(run), "--max-steps", "4", *SMALL])
     assert r.exit_code == 0, r.output
-    assert "no --preset given: using cpu-small" in r.output
+    assert "no --preset given: cpu-small with the defaults rule" in r.output
     assert (run / "checkpoints" / "step-00000004" / "checkpoint.json").exists()
     assert (run / "best" / "model.safetensors").exists()
     cfg = json.loads((run / "config.json").read_text())
     assert cfg["model"]["hidden"] == 32 and cfg["train"]["max_steps"] == 4
-    assert cfg["train"]["reset_prob"] == 0.02  # cpu-small's
+    assert cfg["train"]["reset_prob"] == 0.02  # the rule's (4 steps: data-rich)
+    assert cfg["defaults_rule"]["regime"] == "data-rich" and cfg["model"]["zoneout_cell"] == 0.0
 
     r = runner.invoke(app, ["train", str(data), "--out", str(tmp_path / "bad"), "--reset-prob", "1.5", *SMALL])
     assert r.exit_code == 2 and "--reset-prob must be in [0, 1), got 1.5" in r.output

@@ -5,19 +5,21 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import signal
 
 import pytest
 from typer.testing import CliRunner
 
-from conftest import shakespeare_text
+from conftest import shakespeare_text, write_char_dataset
 from zlm.cli import app
 from zlm.core.metrics import read_metrics
 from zlm.core.report import Reporter
+from zlm.data.dataset import Dataset
 from zlm.errors import UsageError, ZlmError
 from zlm.tools import corpora_benchmark as cb
 from zlm.tools.curves import read_run
-from zlm.training.presets import get_preset
+from zlm.training import defaults
 
 runner = CliRunner()
 TINY = {"hidden": 16, "embed": 8, "batch_size": 4, "bptt": 16, "eval_every": 2, "log_every": 1,
@@ -35,12 +37,15 @@ def corpora(tmp_path_factory):
     return root
 
 
-def test_defaults_are_zlm_trains_and_baseline_is_the_plain_lstm():
-    model, train = cb.zlm_defaults(70, {"time_budget": 600.0, "seed": 2})
-    preset = get_preset(None)  # what `zlm train FILE --time-budget 10m --seed 2` resolves
-    assert model.hidden == preset.model.hidden and model.zoneout_cell == preset.model.zoneout_cell
-    assert train.lr == preset.train.lr and train.reset_prob == preset.train.reset_prob
-    assert (train.time_budget, train.seed, model.vocab_size) == (600.0, 2, 70)
+def test_defaults_are_zlm_trains_and_baseline_is_the_plain_lstm(tmp_path, monkeypatch):
+    data = Dataset.open(write_char_dataset(tmp_path / "data", shakespeare_text(20_000)))
+    monkeypatch.setattr(defaults, "probe_tokens_per_s", lambda *a, **k: 1e6)  # many passes
+    model, train, rule = cb.zlm_defaults(data, {"time_budget": 600.0, "seed": 2})
+    # what `zlm train DATA --time-budget 10m --seed 2` resolves: the preset, then the rule
+    assert rule.regime == "regularised" and rule.tokens_per_s == 1e6
+    assert (model.hidden, model.zoneout_cell, model.zoneout_hidden) == (rule.settings["hidden"], 0.1, 0.05)
+    assert (train.lr, train.schedule.kind, train.eval_every) == (5e-3, "cosine", rule.settings["eval_every"])
+    assert (train.time_budget, train.seed, model.vocab_size) == (600.0, 2, data.vocab_size)
     bm, bt = cb.baseline((model, train))
     assert (bm.layers, bm.hidden, bm.embed, bm.zoneout_cell, bm.zoneout_hidden, bm.dropout) == \
         (1, 512, 64, 0.0, 0.0, 0.0)
@@ -49,7 +54,14 @@ def test_defaults_are_zlm_trains_and_baseline_is_the_plain_lstm():
     assert (bt.state, bt.reset_prob) == ("carry", 0.0)
     for same in ("precision", "eval_every", "device", "cell", "time_budget", "seed"):
         assert getattr(bt, same) == getattr(train, same), same
-    assert bm.vocab_size == 70
+    assert bm.vocab_size == data.vocab_size
+    # The baseline of a seed shares the rule its defaults run stored, never a new measurement.
+    run = tmp_path / "defaults-seed2"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"defaults_rule": rule.to_dict()}))
+    monkeypatch.setattr(defaults, "probe_tokens_per_s", lambda *a, **k: 1.0)
+    _, bt2, none = cb.run_configs("baseline", data, 2, cb.BenchmarkConfig(), tmp_path)
+    assert none is None and bt2.eval_every == rule.settings["eval_every"]
 
 
 def test_config_checks():
@@ -110,7 +122,12 @@ def test_benchmark_end_to_end_and_restart_after_interruption(corpora, tmp_path):
         assert r["characters"] == 4 * 4 * 16 and r["checkpoint"].endswith("best")
         assert r["model"]["hidden"] == 16  # --hidden applies to both settings
         zc = r["model"]["zoneout_cell"]
-        assert zc == 0.0 if r["setting"] == "baseline" else zc == get_preset(None).model.zoneout_cell
+        stored = json.loads((pathlib.Path(r["run"]) / "config.json").read_text()).get("defaults_rule")
+        if r["setting"] == "baseline":
+            assert zc == 0.0 and stored is None
+        else:  # 4 steps of 64 tokens are a small part of a pass: the rule's data-rich settings
+            assert stored["regime"] == "data-rich" and zc == stored["settings"]["zoneout_cell"]
+            assert r["train"]["lr"] == stored["settings"]["lr"]
     doc = json.loads((out / "results.json").read_text())
     assert doc["recipe"] == "corpora-benchmark" and len(doc["summary"]) == 2
     ru = next(c for c in doc["corpora"] if c["name"] == "fortunes-ru")

@@ -37,7 +37,9 @@ from zlm.errors import UsageError, ZlmError
 from zlm.model.lm import ModelConfig
 from zlm.tools.curves import read_run, read_runs
 from zlm.tools.recipes import RecipeResult, ReporterFactory, score_run
+from zlm.training import defaults
 from zlm.training.config import TrainConfig, configure
+from zlm.training.defaults import DefaultsRule
 from zlm.training.presets import get_preset
 from zlm.training.schedule import ScheduleConfig
 from zlm.training.trainer import train
@@ -116,31 +118,42 @@ def parse_seeds(text: str) -> tuple[int, ...]:
 # ------------------------------------------------------------------ the two settings
 
 
-def zlm_defaults(vocab_size: int, options: dict) -> tuple[ModelConfig, TrainConfig]:
+def zlm_defaults(data: Dataset, options: dict, rule_dir: Path | None = None,
+                 on_event=None) -> tuple[ModelConfig, TrainConfig, DefaultsRule | None]:
     """What `zlm train SOURCE` resolves with only `options` given (--time-budget, --seed):
-    the default preset with those options, through the training layer's `configure`, the
-    same path as `zlm.training.runner.plan_run`."""
+    the default preset, the defaults rule's choice for `data` and this machine, then
+    `options`, the same path as `zlm.training.runner.plan_run`. rule_dir: a run whose
+    stored choice to take instead of deciding again (a resumed run, or the baseline next
+    to the defaults run of its seed)."""
     preset = get_preset(None)
-    return configure(preset.model, preset.train, vocab_size, options)
+    resume = rule_dir is not None and (rule_dir / "config.json").is_file()
+    rule = defaults.for_run(preset, data, options, run_dir=rule_dir, resume=resume, on_event=on_event)
+    model, train_cfg = configure(preset.model, preset.train, data.vocab_size, defaults.merge(rule, options))
+    return model, train_cfg, rule
 
 
-def baseline(defaults: tuple[ModelConfig, TrainConfig]) -> tuple[ModelConfig, TrainConfig]:
+def baseline(defaults_cfgs: tuple[ModelConfig, TrainConfig]) -> tuple[ModelConfig, TrainConfig]:
     """The plain-LSTM baseline next to resolved defaults: BASELINE_* fixed, the budget,
     seed, precision, device and validation schedule taken from the defaults."""
-    model, train_cfg = defaults
+    model, train_cfg = defaults_cfgs
     shared = {k: getattr(train_cfg, k) for k in (*SHARED_TRAIN, "seed", "max_steps", "time_budget")}
     return (ModelConfig(vocab_size=model.vocab_size, **BASELINE_MODEL),
             TrainConfig(**BASELINE_TRAIN, **shared))
 
 
-def run_configs(setting: str, vocab_size: int, seed: int,
-                config: BenchmarkConfig) -> tuple[ModelConfig, TrainConfig]:
-    """The resolved configs of one run; config.sizes (tests) replace values in both."""
-    defaults = zlm_defaults(vocab_size, {**config.budget(), "seed": seed})
-    model, train_cfg = defaults if setting == "defaults" else baseline(defaults)
+def run_configs(setting: str, data: Dataset, seed: int, config: BenchmarkConfig,
+                out: Path | None = None) -> tuple[ModelConfig, TrainConfig, DefaultsRule | None]:
+    """The resolved configs of one run (and the rule's decision, for the defaults);
+    config.sizes (tests) replace values in both. out: OUT/<corpus>, where the defaults
+    run of this seed stores the rule's decision that its baseline shares."""
+    rule_dir = None if out is None else out / f"defaults-seed{seed}"
+    model, train_cfg, rule = zlm_defaults(data, {**config.budget(), "seed": seed, **(config.sizes or {})},
+                                          rule_dir)
+    if setting == "baseline":
+        (model, train_cfg), rule = baseline((model, train_cfg)), None
     if config.sizes:
-        model, train_cfg = configure(model, train_cfg, vocab_size, config.sizes)
-    return model, train_cfg
+        model, train_cfg = configure(model, train_cfg, data.vocab_size, config.sizes)
+    return model, train_cfg, rule
 
 
 # ------------------------------------------------------------------ running
@@ -162,12 +175,12 @@ def prepare_corpus(corpus: benchmark.BenchCorpus, config: BenchmarkConfig, out: 
 
 
 def train_once(run_dir: Path, data: Dataset, model: ModelConfig, train_cfg: TrainConfig,
-               make_reporter: ReporterFactory) -> None:
+               make_reporter: ReporterFactory, rule: DefaultsRule | None = None) -> None:
     """Train one run, resume it from its latest checkpoint, or keep it when finished."""
     if (run_dir / "metrics.jsonl").is_file() and read_run(run_dir).finished:
         return
     resume = run_dir.is_dir() and any(run_dir.iterdir())
-    summary = train(run_dir, data, model, train_cfg, resume=resume, reporter=make_reporter())
+    summary = train(run_dir, data, model, train_cfg, resume=resume, reporter=make_reporter(), rule=rule)
     if summary.get("interrupted"):
         raise ZlmError(f"interrupted during {run_dir} (checkpoint saved); run the same zlm "
                        "recipe command again to continue")
@@ -200,9 +213,10 @@ def corpora_benchmark(config: BenchmarkConfig = BenchmarkConfig(),
             infos.append(corpus_info(corpus, data))
             done.add(corpus.name)
         run_dir = out / corpus.name / f"{setting}-seed{seed}"
-        model, train_cfg = run_configs(setting, data.vocab_size, seed, config)
-        rep.message(f"[{i + 1}/{len(runs)}] {corpus.name}, {setting}, seed {seed}: {run_dir}")
-        train_once(run_dir, data, model, train_cfg, make_reporter)
+        model, train_cfg, rule = run_configs(setting, data, seed, config, out / corpus.name)
+        rep.message(f"[{i + 1}/{len(runs)}] {corpus.name}, {setting}, seed {seed}: {run_dir}"
+                    + (f" ({rule.line})" if rule is not None else ""))
+        train_once(run_dir, data, model, train_cfg, make_reporter, rule)
         row = score_run(run_dir, setting, train_cfg.device)
         rows.append({**row, "corpus": corpus.name, "seed": seed})
     return _finish(out, config, infos, rows, rep)

@@ -49,9 +49,11 @@ class RunDir:
             )
 
     @staticmethod
-    def config(model: ModelConfig, train: TrainConfig, data: Dataset, world: int, resolved: dict) -> dict:
-        """config.json: the options as given ("train") and what "auto" resolved to ("resolved")."""
-        return {
+    def config(model: ModelConfig, train: TrainConfig, data: Dataset, world: int, resolved: dict,
+               rule: dict | None = None) -> dict:
+        """config.json: the options as given ("train"), what "auto" resolved to ("resolved")
+        and, for a run without --preset, what the defaults rule chose ("defaults_rule")."""
+        config = {
             "zlm_version": __version__,
             "model": model.to_dict(),
             "train": train.to_dict(),
@@ -60,6 +62,9 @@ class RunDir:
                      "unit": data.unit},
             "world_size": world,
         }
+        if rule is not None:
+            config["defaults_rule"] = rule
+        return config
 
     def open(self, config: dict) -> MetricsLog:
         """Create RUN_DIR, write config.json, open metrics.jsonl; one-line error if it cannot."""

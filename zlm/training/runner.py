@@ -20,8 +20,9 @@ from zlm.data.dataset import Dataset
 from zlm.data.prepare import PrepareConfig, prepare
 from zlm.errors import UsageError
 from zlm.model.lm import ModelConfig
-from zlm.training import distributed
+from zlm.training import defaults, distributed
 from zlm.training.config import TrainConfig, configure
+from zlm.training.defaults import DefaultsRule
 from zlm.training.launch import Interrupted, WorkersFailed, run_local
 from zlm.training.presets import get_preset
 from zlm.training.run_dir import RunDir, default_run_dir
@@ -51,6 +52,7 @@ class Plan:
     model: ModelConfig
     train: TrainConfig
     resume: bool
+    rule: DefaultsRule | None = None  # what the defaults rule chose (no --preset)
 
 
 @dataclass(frozen=True)
@@ -73,10 +75,16 @@ def plan_run(req: TrainRequest, rep: Reporter) -> Plan:
     else:  # prepared data is read-only once rank 0 has written it
         data = _wait_for_data(req.source, run_dir)
     preset = get_preset(req.preset)
-    if req.preset is None:
-        rep.message(f"no --preset given: using {preset.name} (explicit options override it)")
-    model, train = configure(preset.model, preset.train, data.vocab_size, req.options)
-    return Plan(run_dir, data.path, model, train, resume)
+    rule = None
+    if req.preset is None and distributed.rank_from_env() == 0:  # other ranks take rank 0's (Trainer)
+        world = req.nproc or distributed.world_from_env()
+        rule = defaults.for_run(preset, data, req.options, run_dir=run_dir, resume=resume, world=world,
+                                on_event=rep.message)
+        rep.message(f"no --preset given: {preset.name} with the defaults rule"
+                    + (f": {rule.line}" if rule is not None else " (not applied: this run started without it)")
+                    + "; explicit options override it")
+    model, train = configure(preset.model, preset.train, data.vocab_size, defaults.merge(rule, req.options))
+    return Plan(run_dir, data.path, model, train, resume, rule)
 
 
 def run_training(req: TrainRequest, reporter: Reporter | None = None) -> Outcome:
@@ -95,7 +103,8 @@ def run_training(req: TrainRequest, reporter: Reporter | None = None) -> Outcome
 
 def _train(plan: Plan, rep: Reporter) -> Outcome:
     data = Dataset.open(plan.data_path)
-    summary = Trainer(plan.run_dir, data, plan.model, plan.train, resume=plan.resume, reporter=rep).fit()
+    summary = Trainer(plan.run_dir, data, plan.model, plan.train, resume=plan.resume, reporter=rep,
+                      rule=plan.rule).fit()
     return Outcome(plan.run_dir, summary, summary.get("interrupted"))
 
 

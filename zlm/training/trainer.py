@@ -42,15 +42,17 @@ from zlm.training.state import Checkpointer, RNGState, TrainState
 
 
 def train(run_dir: Path, data: Dataset, model_config: ModelConfig, cfg: TrainConfig, *,
-          resume: bool = False, reporter: Reporter | None = None, fault=None) -> dict:
+          resume: bool = False, reporter: Reporter | None = None, fault=None, rule=None) -> dict:
     """Train a zoneout LM on a prepared dataset into run_dir. Returns the summary dict.
 
     Without `resume`, a run_dir holding anything but data/ is refused. `fault(step, loss)
-    -> loss` is a test hook to inject non-finite values.
+    -> loss` is a test hook to inject non-finite values. `rule`: the defaults rule's
+    decision the configs came from (`zlm.training.defaults`), stored in config.json.
     """
     if distributed.rank_from_env() == 0:
         RunDir(Path(run_dir)).check(resume or distributed.restart_count() > 0)
-    return Trainer(run_dir, data, model_config, cfg, resume=resume, reporter=reporter, fault=fault).fit()
+    return Trainer(run_dir, data, model_config, cfg, resume=resume, reporter=reporter, fault=fault,
+                   rule=rule).fit()
 
 
 def build_optimizer(cfg: TrainConfig) -> tuple[type, dict]:
@@ -92,10 +94,13 @@ class Trainer:
     """One training run: model, optimizer, streams and state, built (or resumed) at init."""
 
     def __init__(self, run_dir, data: Dataset, model_config: ModelConfig, cfg: TrainConfig, *,
-                 resume: bool = False, reporter: Reporter | None = None, fault=None):
-        self.run_dir, self.data, self.cfg, self.fault = Path(run_dir), data, cfg, fault
+                 resume: bool = False, reporter: Reporter | None = None, fault=None, rule=None):
         device = resolve_device(cfg.device, distributed.local_rank())
         self.par = par = distributed.setup(device, zero=cfg.zero)
+        # The defaults rule ran on rank 0 only (zlm.training.defaults): every rank takes its configs.
+        if par.world > 1:
+            model_config, cfg, rule = par.broadcast_object((model_config, cfg, rule) if par.is_main else None)
+        self.run_dir, self.data, self.cfg, self.fault = Path(run_dir), data, cfg, fault
         self.rep = reporter if reporter is not None and par.is_main else Reporter()
         if par.restarted and not resume:  # an elastic agent relaunched the job after a failure
             self.rep.message(f"elastic restart {distributed.restart_count()}: resuming from the latest checkpoint")
@@ -117,7 +122,8 @@ class Trainer:
         self.schedule = LRSchedule(cfg.schedule, cfg.lr, self.total_steps, cfg.time_budget)
         self.state, self.carried = TrainState(), None
         self.run = RunDir(self.run_dir)
-        self.config = self.run.config(model_config, cfg, data, par.world, self.resolved.to_dict())
+        self.config = self.run.config(model_config, cfg, data, par.world, self.resolved.to_dict(),
+                                      rule.to_dict() if rule is not None else None)
         self.checkpointer = Checkpointer(self.run_dir, self.config, data, par, cfg.keep_last)
         self.resumed_from = self._load(latest) if latest is not None else None
         self.log = self.run.open(self.config) if par.is_main else None

@@ -1,0 +1,184 @@
+"""The defaults rule (zlm.training.defaults): which settings follow from which corpus size,
+run length and speed; explicit options win; decided once and read back on --resume."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from conftest import shakespeare_text, write_char_dataset
+from zlm.cli import app
+from zlm.data.dataset import Dataset
+from zlm.errors import CheckpointError
+from zlm.training import defaults
+from zlm.training.config import configure
+from zlm.training.defaults import DefaultsRule, RunLength, decide, merge
+from zlm.training.presets import get_preset
+
+runner = CliRunner()
+TEN_MINUTES = 600.0
+
+
+@pytest.mark.parametrize("train_tokens, speed, regime, hidden", [
+    (1_003_854, 14_000.0, "regularised", 384),  # tiny Shakespeare, 10 min on 2 CPU cores
+    (1_825_680, 14_000.0, "regularised", 384),  # 2M characters of Russian quotations
+    (10_594_014, 14_000.0, "data-rich", 384),  # 11.8M characters of prose: about one pass
+    (10_594_014, 400_000.0, "regularised", 1024),  # the same corpus on a fast GPU
+    (10_594_014, 2_000.0, "data-rich", 256),  # a slow machine: a small model
+    (10_594_014, 300.0, "data-rich", 128),  # slower still: the smallest
+])
+def test_size_and_regime_follow_from_corpus_size_and_speed(train_tokens, speed, regime, hidden):
+    length = RunLength(train_tokens, time_budget=TEN_MINUTES, vocab_size=65)
+    rule = decide(length, speed)
+    assert (rule.regime, rule.settings["hidden"]) == (regime, hidden)
+    # The chosen size trains on >= TOKENS_PER_PARAMETER tokens per parameter, the next one up on fewer.
+    p = defaults.parameters(65, hidden, 64)
+    p512 = defaults.parameters(65, defaults.PROBE_HIDDEN, 64)
+    tokens = TEN_MINUTES * (1 - defaults.VALIDATION_SHARE) * speed * p512 / p
+    if hidden > defaults.HIDDEN_SIZES[0]:
+        assert tokens >= defaults.TOKENS_PER_PARAMETER * p
+    if hidden < defaults.HIDDEN_SIZES[-1]:
+        up = defaults.HIDDEN_SIZES[defaults.HIDDEN_SIZES.index(hidden) + 1]
+        pu = defaults.parameters(65, up, 64)
+        assert tokens * p / pu < defaults.TOKENS_PER_PARAMETER * pu
+    assert rule.expected_epochs == pytest.approx(tokens / train_tokens)
+    s = rule.settings
+    if regime == "regularised":
+        assert (s["zoneout_cell"], s["zoneout_hidden"]) == (0.1, 0.05)
+    else:  # nothing overfits in under two passes: the faster plain LSTM reads more
+        assert (s["zoneout_cell"], s["zoneout_hidden"]) == (0.0, 0.0)
+    assert s["reset_prob"] == 0.02  # both: without resets evaluation's cold streams can fail
+    assert (s["layers"], s["embed"], s["schedule"]) == (1, 64, "cosine")
+    assert s["lr"] == (5e-3 if regime == "regularised" else 4e-3)
+    # About EVALS_PER_RUN validations in the run, rounded up to tens of steps.
+    steps = rule.expected_epochs * train_tokens / 3200
+    assert s["eval_every"] >= defaults.MIN_EVAL_EVERY
+    assert steps / s["eval_every"] <= defaults.EVALS_PER_RUN
+    assert s["eval_every"] == defaults.MIN_EVAL_EVERY or steps / (s["eval_every"] - 10) > defaults.EVALS_PER_RUN
+    assert f"{rule.expected_epochs:.1f} epochs expected" in rule.line and "measured" in rule.line
+    assert f"1x{hidden}," in rule.line
+
+
+@pytest.mark.parametrize("train_tokens, speed, regime", [
+    (3_000_000, 11_200.0, "regularised"),  # exactly SEVERAL_EPOCHS passes at --hidden 512
+    (3_000_000, 11_100.0, "data-rich"),  # just under
+])
+def test_the_regime_threshold_with_an_explicit_size(train_tokens, speed, regime):
+    rule = decide(RunLength(train_tokens, time_budget=TEN_MINUTES), speed, hidden=512)
+    assert rule.regime == regime and "hidden" not in rule.settings  # --hidden is the user's
+    assert rule.expected_epochs == pytest.approx(TEN_MINUTES * 0.9 * speed / train_tokens)
+
+
+def test_parameter_count_is_the_models():
+    from zlm.model.lm import ModelConfig, ZoneoutLM
+
+    for v, h, e, layers in ((65, 384, 64, 1), (200, 128, 32, 2)):
+        model = ZoneoutLM(ModelConfig(vocab_size=v, hidden=h, embed=e, layers=layers))
+        assert defaults.parameters(v, h, e, layers) == model.num_parameters()
+
+
+def test_epochs_and_steps_need_no_speed_and_the_nearest_limit_counts():
+    assert decide(RunLength(1_000_000, epochs=5)).regime == "regularised"
+    assert decide(RunLength(1_000_000, epochs=1)).regime == "data-rich"
+    steps = decide(RunLength(1_000_000, max_steps=100, tokens_per_step=3200))  # 0.32 passes
+    assert steps.regime == "data-rich" and steps.expected_epochs == pytest.approx(0.32)
+    both = decide(RunLength(1_000_000, epochs=10, max_steps=100))
+    assert both.expected_epochs == pytest.approx(0.32)
+    # A budget with --epochs as well: the budget is nearer at this speed.
+    assert decide(RunLength(1_000_000, time_budget=60, epochs=10), 10_000.0, hidden=512).expected_epochs == \
+        pytest.approx(0.54)
+    assert not defaults.needs_probe(RunLength(1_000_000, epochs=3))
+    assert defaults.needs_probe(RunLength(1_000_000, time_budget=60, epochs=3))
+
+
+def test_no_length_keeps_the_preset():
+    rule = decide(RunLength(1_000_000))
+    assert rule.regime == "open" and rule.settings == {} and rule.expected_epochs is None
+    preset = get_preset(None)
+    model, train = configure(preset.model, preset.train, 65, merge(rule, {}))
+    assert (model, train) == (preset.model.__class__(**{**preset.model.to_dict(), "vocab_size": 65}),
+                              preset.train)
+
+
+def test_explicit_options_win():
+    rule = decide(RunLength(10_000_000, time_budget=TEN_MINUTES), 14_000.0)
+    options = merge(rule, {"lr": 1e-3, "zoneout_cell": 0.5, "hidden": None, "eval_every": 7})
+    assert options["lr"] == 1e-3 and options["zoneout_cell"] == 0.5 and options["eval_every"] == 7
+    assert options["hidden"] == rule.settings["hidden"] and options["zoneout_hidden"] == 0.0  # None: not given
+    assert merge(None, {"lr": 1e-3}) == {"lr": 1e-3}
+
+
+def test_stored_block_round_trips_and_damage_is_one_line():
+    rule = decide(RunLength(1_000_000, time_budget=TEN_MINUTES), 14_000.0)
+    assert DefaultsRule.from_dict(json.loads(json.dumps(rule.to_dict()))) == rule
+    with pytest.raises(CheckpointError, match="damaged 'defaults_rule'"):
+        DefaultsRule.from_dict({"regime": "regularised"})
+    with pytest.raises(CheckpointError, match="unknown defaults regime"):
+        DefaultsRule.from_dict({**rule.to_dict(), "regime": "huge"})
+
+
+def test_probe_measures_training_speed_and_leaves_the_rng_alone():
+    import torch
+
+    preset = get_preset(None)
+    model, train = configure(preset.model, preset.train, 40, {"hidden": 16, "embed": 8, "batch_size": 4,
+                                                              "bptt": 10, "device": "cpu"})
+    torch.manual_seed(3)
+    before = torch.get_rng_state()
+    speed = defaults.probe_tokens_per_s(model, train, seconds=0.05)
+    assert speed > 100  # tokens/s of a 16-unit model: thousands
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+@pytest.fixture()
+def corpus(tmp_path):
+    return Dataset.open(write_char_dataset(tmp_path / "data", shakespeare_text(40_000)))
+
+
+def test_for_run_probes_only_for_a_budget_and_reads_the_stored_choice_back(corpus, tmp_path, monkeypatch):
+    preset = get_preset(None)
+    calls = []
+    monkeypatch.setattr(defaults, "probe_tokens_per_s", lambda *a, **k: calls.append(1) or 50_000.0)
+    rule = defaults.for_run(preset, corpus, {"time_budget": 60.0, "hidden": 16})
+    assert calls == [1] and rule.regime == "regularised" and rule.tokens_per_s == 50_000.0
+    assert defaults.for_run(preset, corpus, {"max_steps": 10}).regime == "data-rich" and calls == [1]
+    # Resuming: the block in RUN_DIR/config.json, never a new measurement.
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"defaults_rule": rule.to_dict()}))
+    monkeypatch.setattr(defaults, "probe_tokens_per_s", lambda *a, **k: pytest.fail("probed on resume"))
+    assert defaults.for_run(preset, corpus, {"time_budget": 60.0}, run_dir=run, resume=True) == rule
+    (run / "config.json").write_text(json.dumps({"model": {}}))  # started before the rule
+    assert defaults.for_run(preset, corpus, {"time_budget": 60.0}, run_dir=run, resume=True) is None
+
+
+TINY = ["--hidden", "16", "--embed", "8", "--batch-size", "4", "--bptt", "20", "--log-every", "100"]
+
+
+def test_train_prints_stores_and_resumes_with_the_rule(tmp_path, monkeypatch):
+    text = tmp_path / "corpus.txt"
+    text.write_text(shakespeare_text(30_000), encoding="utf-8")
+    run = tmp_path / "run"
+    monkeypatch.setattr(defaults, "probe_tokens_per_s", lambda *a, **k: 1e6)  # many passes in 2 s
+    r = runner.invoke(app, ["train", str(text), "--out", str(run), "--time-budget", "2s", *TINY])
+    assert r.exit_code == 0, r.output
+    assert "with the defaults rule:" in r.output and "so regularise" in r.output
+    cfg = json.loads((run / "config.json").read_text())
+    assert cfg["defaults_rule"]["regime"] == "regularised"
+    assert cfg["model"]["zoneout_cell"] == 0.1 and cfg["train"]["schedule"]["kind"] == "cosine"
+    assert cfg["model"]["hidden"] == 16  # explicit
+    assert cfg["train"]["eval_every"] == cfg["defaults_rule"]["settings"]["eval_every"]
+    # This machine is now "slow": a fresh decision would be data-rich; the resume keeps its rule.
+    monkeypatch.setattr(defaults, "probe_tokens_per_s", lambda *a, **k: 1.0)
+    r = runner.invoke(app, ["train", str(text), "--out", str(run), "--time-budget", "3s", "--resume", *TINY])
+    assert r.exit_code == 0, r.output
+    assert "so regularise" in r.output and "resumed from" in r.output
+    again = json.loads((run / "config.json").read_text())
+    assert again["defaults_rule"] == cfg["defaults_rule"] and again["model"] == cfg["model"]
+    # An explicit --preset: no rule.
+    r = runner.invoke(app, ["train", str(text), "--out", str(tmp_path / "p"), "--preset", "cpu-small",
+                            "--max-steps", "2", *TINY])
+    assert r.exit_code == 0, r.output
+    assert "defaults_rule" not in json.loads((tmp_path / "p" / "config.json").read_text())
