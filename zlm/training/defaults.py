@@ -41,9 +41,11 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
+from zlm.core import checkpoint as ckpt
 from zlm.core.precision import Runtime, resolve_device, resolve_precision
 from zlm.errors import CheckpointError
 from zlm.model.cells import choose_cell
@@ -241,10 +243,6 @@ def for_run(preset, data, options: dict, *, run_dir=None, resume: bool = False, 
     the preset's, as when it started. A fresh run is decided now, measuring this
     machine's speed (`probe_tokens_per_s`) when a --time-budget is given.
     """
-    from pathlib import Path
-
-    from zlm.core import checkpoint as ckpt
-
     if resume and run_dir is not None:
         config = ckpt.read_json_or_none(Path(run_dir) / "config.json")
         if config is not None:
