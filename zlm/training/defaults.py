@@ -49,8 +49,9 @@ from zlm.core import checkpoint as ckpt
 from zlm.core.precision import Runtime, resolve_device, resolve_precision
 from zlm.errors import CheckpointError
 from zlm.model.cells import choose_cell
-from zlm.model.lm import ModelConfig, ZoneoutLM, token_nll
+from zlm.model.lm import ModelConfig, ZoneoutLM
 from zlm.training.config import TrainConfig, configure
+from zlm.training.trainer import forward_backward
 
 SEVERAL_EPOCHS = 2.0  # expected passes at or above which a run is regularised
 VALIDATION_SHARE = 0.1  # the part of a time budget validation and checkpoints take
@@ -211,14 +212,14 @@ def probe_tokens_per_s(model: ModelConfig, train: TrainConfig, seconds: float = 
         lm = ZoneoutLM(model, cell.fn).to(device)
         opt = torch.optim.Adam(lm.parameters(), lr=1e-4)
         x = torch.randint(model.vocab_size, (train.bptt + 1, train.batch_size), device=device)
-        state = lm.initial_state(train.batch_size, device)
+        h0, c0 = lm.initial_state(train.batch_size, device)
+        scaler = runtime.grad_scaler()
 
-        def step():
-            with runtime.autocast():
-                logits, _ = lm(x[:-1], state)
-            (token_nll(logits, x[1:]) / x[1:].numel()).backward()
+        def step():  # the trainer's window: forward, loss, backward; then clip and update
+            forward_backward(lm, runtime, scaler, x[:-1], x[1:], h0, c0)
             torch.nn.utils.clip_grad_norm_(lm.parameters(), 1.0)
-            opt.step()
+            scaler.step(opt)
+            scaler.update()
             opt.zero_grad(set_to_none=True)
 
         step()
