@@ -53,7 +53,7 @@ def test_matches_reference(cell, dtype, masks, shape):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_rows_split_over_threads_match_reference(cell, dtype):
-    """B*H above the kernel's grain (32K elements): rows run in parallel chunks. fp32 sums
+    """B*H above the kernel's grain (8K elements): rows run in parallel chunks. fp32 sums
     over 4000 gates here, so its bound is 5e-5 (the Python fused cell is as far off)."""
     args, keeps = cell_inputs(3, 40, 8, 1000, dtype, "train")
     want = cell_outputs(zoneout_lstm_reference, args, keeps)
@@ -146,3 +146,26 @@ def test_chooser_picks_the_compiled_step(cell):
     assert choice.name == "fused"
     assert "compiled C++ step" in choice.reason
     assert choice.fn is choose_cell("fused", "cpu").fn  # one function object per module
+
+
+@pytest.mark.parametrize("masks", ["train", "eval"])
+@pytest.mark.parametrize("grad", [True, False])
+def test_time_loop_in_cpp_equals_the_python_loop(masks, grad):
+    """forward_window (the fp32 time loop in C++) runs the same oneDNN operator and the
+    same element-wise step as the Python loop: identical outputs and gradients."""
+    import types
+
+    ext = cpu_ext.load_extension()
+    if ext is None or not hasattr(ext, "forward_window"):
+        pytest.skip("no compiled step here")
+    python_loop = make_compiled_cell(types.SimpleNamespace(forward_step=ext.forward_step,
+                                                           backward_step=ext.backward_step))
+    args, keeps = cell_inputs(9, 4, 6, 16, torch.float32, masks)
+    if grad:
+        got, want = cell_outputs(make_compiled_cell(ext), args, keeps), cell_outputs(python_loop, args, keeps)
+    else:
+        with torch.no_grad():
+            plain = [a.detach() for a in args]
+            got, want = make_compiled_cell(ext)(*plain, *keeps), python_loop(*plain, *keeps)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)

@@ -11,6 +11,10 @@ Per window (haste's layout, on the CPU):
   activations -> c~, h~ -> both zoneout mixes, in one pass over memory;
 - backward: per step one C++ call (all element-wise work of the step, in one pass) and
   one recurrent multiply; dW_ih, dW_hh, db and dx are one multiply or reduction each.
+- in fp32 with oneDNN the time loops themselves run in C++ (`forward_window`,
+  `backward_window`: the same operator calls and element-wise steps in the same order,
+  so the same numbers as the Python loops, without the interpreter's cost per step);
+  bf16 and fp64 keep the Python loops.
 
 Precision: under `torch.autocast("cpu", dtype=torch.bfloat16)` every matrix multiply
 (input projection, recurrence, weight gradients, dx) runs in bf16 with fp32 accumulation
@@ -68,8 +72,8 @@ class StepWorkspaceBF16(StepWorkspace):
     lp = True
 
 
-def _keep_args(keep: Keep, t: int) -> tuple[Tensor | None, float]:
-    """(mask row t or None, float keep) for the C++ step."""
+def _keep_args(keep: Keep, t: int | slice) -> tuple[Tensor | None, float]:
+    """(mask row(s) t or None, float keep) for the C++ step."""
     return (keep[t], 0.0) if isinstance(keep, Tensor) else (None, float(keep))
 
 
@@ -101,6 +105,11 @@ def _forward(ext, x, h0, c0, w_ih, w_hh, bias, keep_c: Keep, keep_h: Keep, lp: b
     y_all = torch.empty(T + 1, B, H, dtype=x.dtype, device=x.device)  # returned: never pooled
     y_all[0].copy_(h0)
     c[0].copy_(c0)
+    if not lp and gemm.backend == "onednn" and hasattr(ext, "forward_window"):  # the loop in C++
+        kc, zc = _keep_args(keep_c, slice(None))
+        kh, zh = _keep_args(keep_h, slice(None))
+        ext.forward_window(gates, gemm.packed, y_all, c, tc, kc, zc, kh, zh, save)
+        return y_all, ws
     for t in range(T):
         if lp:
             xp, rec = gates[t], torch.mm(ws.h_lp[t], w_rec, out=ws.rec)  # rec (B, 4H) bf16
@@ -124,6 +133,11 @@ def _backward(ext, ws, w_hh, keep_c, keep_h, dy, dh_T, dc_T, lp: bool):
         w_rec = w_hh.to(BF16)  # (4H, H): dpre @ W_hh
     else:
         gemm = recurrent_gemm((w_hh,), B, "T", _transpose)  # dpre (B, 4H) @ W_hh -> (B, H)
+    if not lp and gemm.backend == "onednn" and hasattr(ext, "backward_window"):  # the loop in C++
+        kc, zc = _keep_args(keep_c, slice(None))
+        kh, zh = _keep_args(keep_h, slice(None))
+        rec = ext.backward_window(ws.gates, ws.tc, ws.c, kc, zc, kh, zh, dy, carry, dc, dgates, gemm.packed)
+        return carry + rec, dc.clone()
     rec = None
     for t in range(T - 1, -1, -1):
         kc, zc = _keep_args(keep_c, t)

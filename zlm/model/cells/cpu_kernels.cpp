@@ -2,9 +2,10 @@
 //
 // Built on first use by zlm/model/cells/cpu_ext.py (torch.utils.cpp_extension.load) with
 // explicit instruction-set flags (-mavx2 -mfma, or -mavx512f ...), never -march=native.
-// The recurrent matrix multiplies stay in torch (oneDNN/MKL); these two functions do
-// everything else of one timestep in one pass over memory, vectorised over the hidden
-// units and split over the batch rows with at::parallel_for.
+// Training and windows: the recurrent matrix multiplies stay in torch (oneDNN/MKL);
+// forward_step and backward_step do everything else of one timestep in one pass over
+// memory, vectorised over the hidden units and split over the batch rows with
+// at::parallel_for; in fp32 their time loops (forward_window, backward_window) run here too.
 //
 // Shapes (B batch rows, H units; gate blocks i, f, g, o as in torch.nn.LSTM):
 //   xp   (B, 4H) S   input projection of this step, bias included
@@ -19,9 +20,11 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <cmath>
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -72,9 +75,10 @@ inline uint16_t f_to_bf16(float f) {  // round to nearest even (finite values)
 template <typename S> inline S load(const S* p, int64_t k) { return p[k]; }
 template <typename S> inline S load(const uint16_t* p, int64_t k) { return static_cast<S>(bf16_to_f(p[k])); }
 
-// Rows per parallel chunk: at least ~32K elements each, so small steps stay on one thread
-// (waking a second thread costs more than the work, worse still on a busy machine).
-inline int64_t grain_rows(int64_t H) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(H, 1)); }
+// Rows per parallel chunk: at least ~8K elements each, so tiny steps stay on one thread
+// (waking a second thread costs more than the work). Measured on 2 idle cores: B 32 x H 512
+// (16K elements, ~90 us on one thread) runs faster split in two.
+inline int64_t grain_rows(int64_t H) { return std::max<int64_t>(1, 8192 / std::max<int64_t>(H, 1)); }
 
 inline bool given(const c10::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
 
@@ -99,7 +103,9 @@ struct Rows {
 };
 
 // R: type of the recurrent part (S, or uint16_t = bf16); with bf16 a bf16 copy of y is written.
-template <typename S, typename R>
+// Store = false (inference windows): the activations and tanh(c~), kept only for a
+// backward, are not written.
+template <typename S, typename R, bool Store = true>
 void forward_rows(int64_t r0, int64_t r1, int64_t H, const S* xp, const Rows<R>& rec, S* acts,
                   const S* c_prev, const S* h_prev, const Rows<S>& kc, const Rows<S>& kh, S* c_out,
                   S* tc_out, S* y_out, uint16_t* y_lp) {
@@ -119,12 +125,14 @@ void forward_rows(int64_t r0, int64_t r1, int64_t H, const S* xp, const Rows<R>&
       const S tc = tanh_(ct);
       const S ht = o * tc;
       const S h = ht + khr[j] * (hp - ht);
-      a[j] = i;
-      a[H + j] = f;
-      a[2 * H + j] = g;
-      a[3 * H + j] = o;
+      if constexpr (Store) {
+        a[j] = i;
+        a[H + j] = f;
+        a[2 * H + j] = g;
+        a[3 * H + j] = o;
+        tc_out[s0 + j] = tc;
+      }
       c_out[s0 + j] = ct + kcr[j] * (cp - ct);
-      tc_out[s0 + j] = tc;
       y_out[s0 + j] = h;
       if constexpr (sizeof(R) == 2) y_lp[s0 + j] = f_to_bf16(static_cast<float>(h));
     }
@@ -176,7 +184,7 @@ void backward_rows(int64_t r0, int64_t r1, int64_t H, const S* acts, const S* tc
   }
 }
 
-template <typename S, typename R>
+template <typename S, typename R, bool Store = true>
 void forward_typed(const at::Tensor& xp, const c10::optional<at::Tensor>& rec, const at::Tensor& acts,
                    const at::Tensor& c_prev, const at::Tensor& h_prev, const c10::optional<at::Tensor>& kc,
                    double zc, const c10::optional<at::Tensor>& kh, double zh, const at::Tensor& c_out,
@@ -186,7 +194,7 @@ void forward_typed(const at::Tensor& xp, const c10::optional<at::Tensor>& rec, c
   const Rows<S> kc_rows(kc, H, static_cast<S>(zc)), kh_rows(kh, H, static_cast<S>(zh));
   uint16_t* lp = given(y_lp) ? reinterpret_cast<uint16_t*>(y_lp->data_ptr()) : nullptr;
   at::parallel_for(0, B, grain_rows(H), [&](int64_t r0, int64_t r1) {
-    forward_rows<S, R>(r0, r1, H, xp.data_ptr<S>(), rec_rows, acts.data_ptr<S>(), c_prev.data_ptr<S>(),
+    forward_rows<S, R, Store>(r0, r1, H, xp.data_ptr<S>(), rec_rows, acts.data_ptr<S>(), c_prev.data_ptr<S>(),
                        h_prev.data_ptr<S>(), kc_rows, kh_rows, c_out.data_ptr<S>(), tc_out.data_ptr<S>(),
                        y_out.data_ptr<S>(), lp);
   });
@@ -242,10 +250,69 @@ void backward_step(const at::Tensor& acts, const at::Tensor& tc, const at::Tenso
   }
 }
 
+
+// The time loop of a window's forward for fp32 with the recurrent weight packed by oneDNN
+// (zlm/model/cells/packed_gemm.py): per step pre = gates[t] + y[t] W_hh^T in one oneDNN
+// call (the same operator the Python loop calls), then forward_step's element-wise work.
+// Moving the loop here saves the interpreter's per-step cost (two calls, six views).
+//   gates (T, B, 4H): in, x W_ih^T + b; out, the activations.  y (T+1, B, H): y[0] = h0.
+//   c (T+1, B, H): c[0] = c0.  tc (T, B, H).  kc, kh (T, B, H) masks, or the floats zc, zh.
+//   save = false (no backward follows): the activations and tc are not written.
+void forward_window(const at::Tensor& gates, const at::Tensor& w_packed, const at::Tensor& y, const at::Tensor& c,
+                    const at::Tensor& tc, const c10::optional<at::Tensor>& kc, double zc,
+                    const c10::optional<at::Tensor>& kh, double zh, bool save) {
+  static auto linear_add = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("mkldnn::_linear_pointwise", "binary")
+                               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                 const c10::optional<at::Tensor>&, c10::string_view)>();
+  TORCH_CHECK(gates.scalar_type() == at::kFloat && y.scalar_type() == at::kFloat, "forward_window: fp32");
+  const int64_t T = gates.size(0);
+  const c10::optional<at::Tensor> none;
+  for (int64_t t = 0; t < T; ++t) {
+    const at::Tensor g = gates[t], yt = y[t];
+    const at::Tensor pre = linear_add.call(yt, g, w_packed, none, "add");
+    const c10::optional<at::Tensor> kct = given(kc) ? c10::optional<at::Tensor>((*kc)[t]) : none;
+    const c10::optional<at::Tensor> kht = given(kh) ? c10::optional<at::Tensor>((*kh)[t]) : none;
+    if (save) forward_typed<float, float, true>(pre, none, g, c[t], yt, kct, zc, kht, zh, c[t + 1], tc[t], y[t + 1], none);
+    else forward_typed<float, float, false>(pre, none, g, c[t], yt, kct, zc, kht, zh, c[t + 1], tc[t], y[t + 1], none);
+  }
+}
+
+// The backward time loop for fp32 with W_hh^T packed by oneDNN: per step (from T-1 down)
+// backward_step's element-wise work, then rec = dpre W_hh in one oneDNN call. Returns the
+// last rec (B, H), the gradient reaching h0 through W_hh (the caller adds carry).
+at::Tensor backward_window(const at::Tensor& acts, const at::Tensor& tc, const at::Tensor& c,
+                           const c10::optional<at::Tensor>& kc, double zc, const c10::optional<at::Tensor>& kh,
+                           double zh, const c10::optional<at::Tensor>& dy, const at::Tensor& carry,
+                           const at::Tensor& dc, const at::Tensor& dgates, const at::Tensor& w_packed) {
+  static auto linear = c10::Dispatcher::singleton()
+                           .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
+                                             c10::string_view, c10::List<c10::optional<at::Scalar>>,
+                                             c10::optional<c10::string_view>)>();
+  TORCH_CHECK(acts.scalar_type() == at::kFloat && dgates.scalar_type() == at::kFloat, "backward_window: fp32");
+  const int64_t T = acts.size(0);
+  const c10::optional<at::Tensor> none;
+  c10::optional<at::Tensor> rec;
+  at::Tensor last;
+  for (int64_t t = T - 1; t >= 0; --t) {
+    const c10::optional<at::Tensor> kct = given(kc) ? c10::optional<at::Tensor>((*kc)[t]) : none;
+    const c10::optional<at::Tensor> kht = given(kh) ? c10::optional<at::Tensor>((*kh)[t]) : none;
+    const c10::optional<at::Tensor> dyt = given(dy) ? c10::optional<at::Tensor>((*dy)[t]) : none;
+    const at::Tensor d = dgates[t];
+    backward_typed<float, float>(acts[t], tc[t], c[t], kct, zc, kht, zh, dyt, carry, rec, dc, d);
+    last = linear.call(d, w_packed, none, "none", c10::List<c10::optional<at::Scalar>>(), c10::nullopt);
+    rec = last;
+  }
+  return last;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "zlm: the element-wise step of the zoneout LSTM cell (CPU)";
   m.def("forward_step", &forward_step, "one timestep forward, in place into the given buffers");
   m.def("backward_step", &backward_step, "one timestep backward, in place into the given buffers");
+  m.def("forward_window", &forward_window, "a window's forward time loop (fp32, packed oneDNN weight)");
+  m.def("backward_window", &backward_window, "a window's backward time loop (fp32, packed oneDNN weight)");
 }

@@ -63,6 +63,11 @@ class RecurrentGemm:
         else:
             self._wt = weight.t().contiguous()  # (K, N): MKL's GEMV is faster on this layout
 
+    @property
+    def packed(self) -> Tensor:
+        """The oneDNN-packed weight (backend "onednn" only), for the C++ time loop."""
+        return self._packed
+
     def add(self, a: Tensor, other: Tensor, out: Tensor) -> Tensor:
         """other + a @ W^T: a (B, K), other (B, N) -> (B, N), not modifying `other`.
 
