@@ -1,23 +1,29 @@
-"""The sampler's step with the compiled C++ step (fp32, bf16 weights) against the model."""
+"""The sampler's step with the compiled kernels ("decode": the whole step in one C++ call;
+"cpp": torch multiplies + the C++ element-wise step), fp32 and bf16 weights, against the
+model's forward; the Decoder's packing, thread independence and checks."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-import zlm.inference.sample as sample
-from zlm.inference.sample import Stepper
+import zlm.inference.stepper as stepper
+from zlm.inference.stepper import Stepper, gate_columns, interleave, pack_tiles
 from zlm.model.cells import cpu_ext
 from zlm.model.lm import ModelConfig, ZoneoutLM
 
 
-def _model(layers):
+def _model(layers, hidden=24, vocab=13, dtype=torch.float32):
     torch.manual_seed(0)
-    return ZoneoutLM(ModelConfig(vocab_size=13, hidden=24, embed=8, layers=layers)).eval()
+    cfg = ModelConfig(vocab_size=vocab, hidden=hidden, embed=8, layers=layers, zoneout_cell=0.3,
+                      zoneout_hidden=0.1)
+    return ZoneoutLM(cfg).to(dtype).eval()
 
 
 def _rollout(step, model, tokens):
-    h0 = torch.randn(model.config.layers, 3, 24, generator=torch.Generator().manual_seed(1)) * 0.5
+    L, B, H = model.config.layers, tokens.shape[1], model.config.hidden
+    g = torch.Generator().manual_seed(1)
+    h0 = (torch.randn(L, B, H, generator=g) * 0.5).to(step.h.dtype)
     step.set_state(h0, h0 * 0.7)
     with torch.no_grad():
         ref, _ = model(tokens, (h0, h0 * 0.7))  # (T, B, V)
@@ -25,26 +31,95 @@ def _rollout(step, model, tokens):
     return got, ref
 
 
-@pytest.mark.parametrize("layers", [1, 2])
-def test_compiled_step_matches_forward_fp32_and_bf16(layers):
+def _need_extension():
     if cpu_ext.load_extension() is None:
         pytest.skip(f"no compiled step: {cpu_ext.unavailable_reason()}")
+
+
+@pytest.mark.parametrize("kernel", ["decode", "cpp"])
+@pytest.mark.parametrize("layers", [1, 2])
+def test_compiled_step_matches_forward_fp32_and_bf16(layers, kernel):
+    _need_extension()
     model = _model(layers)
     tokens = torch.randint(0, 13, (30, 3), generator=torch.Generator().manual_seed(2))
-    step = Stepper(model, 3)
-    assert step.ext is not None and not step.lp
+    step = Stepper(model, 3, kernel=kernel)
+    assert step.kernel == kernel and step.ext is not None and not step.lp
     got, ref = _rollout(step, model, tokens)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
-    step = Stepper(model, 3, lp=True)  # bf16 weights, fp32 state: 2e-2 relative
+    step = Stepper(model, 3, lp=True, kernel=kernel)  # bf16 weights, fp32 state: 2e-2 relative
     got, ref = _rollout(step, model, tokens)
     assert step.lp and ((got - ref).norm() / ref.norm()).item() < 2e-2
 
 
+@pytest.mark.parametrize("hidden,vocab", [(20, 45), (8, 32), (33, 70)])
+def test_decode_pads_units_and_vocabulary(hidden, vocab):
+    """Sizes that are not multiples of the tile: 8 units per tile, 32 decoder columns."""
+    _need_extension()
+    model = _model(2, hidden, vocab)
+    tokens = torch.randint(0, vocab, (12, 2), generator=torch.Generator().manual_seed(4))
+    step = Stepper(model, 2)
+    assert step.kernel == "decode"
+    got, ref = _rollout(step, model, tokens)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_result_does_not_depend_on_threads():
+    _need_extension()
+    model = _model(2, hidden=64, vocab=40)
+    tokens = torch.randint(0, 40, (8, 2), generator=torch.Generator().manual_seed(5))
+    one, _ = _rollout(Stepper(model, 2, threads=1), model, tokens)
+    two, _ = _rollout(Stepper(model, 2, threads=2), model, tokens)
+    assert torch.equal(one, two)
+
+
+def test_decode_follows_load_weights_and_checks_tokens():
+    _need_extension()
+    model = _model(1)
+    step = Stepper(model, 3)
+    with torch.no_grad():
+        model.layers[0].weight_hh.mul_(1.5)
+        model.decoder.bias.add_(0.25)
+    step.load_weights(model)
+    tokens = torch.randint(0, 13, (6, 3), generator=torch.Generator().manual_seed(6))
+    got, ref = _rollout(step, model, tokens)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="out of range"):
+        step(torch.tensor([0, 13, 1]))
+
+
+def test_kernel_choice():
+    _need_extension()
+    assert Stepper(_model(1), 2).kernel == "decode"
+    assert Stepper(_model(1), 2, kernel="cpp").kernel == "cpp"
+    torch_step = Stepper(_model(1), 2, kernel="torch")
+    assert torch_step.kernel == "torch" and torch_step.ext is None
+    fp64 = Stepper(_model(1, dtype=torch.float64), 2)  # the Decoder is fp32-only
+    assert fp64.kernel == "cpp"
+    with pytest.raises(ValueError, match="kernel"):
+        Stepper(_model(1), 2, kernel="fast")
+
+
+def test_packing_layout():
+    """Tile t holds gates i, f, g, o of units 8t .. 8t+7; pads read column 4H (zero)."""
+    H = 10
+    cols = gate_columns(H)
+    assert cols.shape == (64,)
+    assert cols[:8].tolist() == list(range(8))  # i of units 0-7
+    assert cols[8:16].tolist() == list(range(H, H + 8))  # f
+    assert cols[32:34].tolist() == [8, 9] and set(cols[34:40].tolist()) == {4 * H}  # i of 8, 9, pads
+    m = torch.arange(4 * H, dtype=torch.float32).view(1, -1) + 1
+    assert interleave(m, H)[0, 58:64].tolist() == [0.0] * 6  # o of pad units
+    w = torch.randn(5, 40)
+    tiles = pack_tiles(w)
+    assert tiles.shape == (2, 5, 32) and torch.equal(tiles[1, :, :8], w[:, 32:])
+    assert torch.equal(tiles[1, :, 8:], torch.zeros(5, 24))
+
+
 def test_torch_step_without_the_extension(monkeypatch):
-    monkeypatch.setattr(sample, "load_extension", lambda: None)
+    monkeypatch.setattr(stepper, "load_extension", lambda: None)
     model = _model(2)
     step = Stepper(model, 3, lp=True)  # no compiled step: fp32 torch ops, lp ignored
-    assert step.ext is None and not step.lp
+    assert step.ext is None and not step.lp and step.kernel == "torch"
     tokens = torch.randint(0, 13, (10, 3), generator=torch.Generator().manual_seed(3))
     got, ref = _rollout(step, model, tokens)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)

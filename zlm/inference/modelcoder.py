@@ -15,7 +15,7 @@ integer frequencies (`quantize`), and `run_coder`, the loop shared by the two si
 
 The encoder knows every symbol in advance but never uses it before the decoder could:
 both sides run this same loop with the same batch of S streams, the same kernels (the
-sampler's `Stepper`, fp32, on the CPU) and THREADS threads, so each step's logits, and
+`Stepper`'s "cpp" kernel, fp32, on the CPU) and THREADS threads, so each step's logits, and
 so each frequency table, are bit-for-bit the same. Cold starts: every stream starts from
 a zero state with rest_id as its input, as the decoder must.
 """
@@ -33,7 +33,7 @@ import torch
 
 from zlm.inference.dynamic import DynamicAdapter, DynamicConfig
 from zlm.inference.rangecoder import RangeDecoder, RangeEncoder
-from zlm.inference.sample import Stepper
+from zlm.inference.stepper import Stepper
 from zlm.inference.symbols import Alphabet
 from zlm.model.lm import ZoneoutLM
 
@@ -176,7 +176,7 @@ def run_coder(model: ZoneoutLM, alphabet: Alphabet, layout: Layout, side,
     symbols: -log2 softmax for tokens, the quantised cost (+ 8 bits) for escapes."""
     S, esc, rest = layout.streams, alphabet.esc, alphabet.rest_id
     adapter = DynamicAdapter(model, adapt) if adapt is not None else None
-    step = Stepper(adapter.model if adapter else model, S)
+    step = Stepper(adapter.model if adapter else model, S, kernel="cpp")  # the recorded kernel
     inp = np.full(S, rest, dtype=np.int64)  # (S,)
     rows = np.arange(S)
     chosen = np.ones((layout.steps, S))  # model probability of each coded token (1: none)

@@ -1,28 +1,19 @@
 """Sampling text from a trained model, one token at a time with the state carried.
 
-Owns `SampleConfig`, the lean single-step path (`Stepper`), token selection
-(temperature, top-k, top-p, greedy) and `generate`, the library function behind
-`zlm sample` and `zlm.inference.api.LanguageModel.sample`.
+Owns `SampleConfig`, token selection (`Chooser`: temperature, top-k, top-p, greedy) and
+`generate`, the library function behind `zlm sample` and
+`zlm.inference.api.LanguageModel.sample`; the step itself is `zlm.inference.stepper`.
 
 The prime (or, without one, a single newline as context) runs through the model once,
 as one window, to get the state and the first distribution; the state is copied to the
 B = num_samples streams, and from then on each step feeds only the token just drawn —
-the prefix is never re-run. The step is the model's own arithmetic (eval mode: zoneout
-uses its expectation, dropout is off) laid out for T = 1:
-
-    layer 0   gates = table[tok] + h W_hh^T          table = E W_ih^T + b, (V, 4H), once
-    layer k   gates = b + x W_ih^T + h W_hh^T        (B, 4H), gate rows i, f, o, g
-    all       i, f, o = sigmoid, g = tanh;  c~ = f c + i g;  h~ = o tanh(c~)
-              c = z_c c + (1 - z_c) c~;  h = z_h h + (1 - z_h) h~
-    decoder   logits = h W_d^T + b_d                 (B, V)
-
-into buffers allocated once, so a step allocates almost nothing: on the CPU three calls
-per layer with the compiled C++ step (bf16 weights when bf16 is chosen), else ~20 small
-kernel calls (tests/test_sample.py and tests/inference/ check it against the model's
-forward). The likelihood of each drawn token is one log_softmax and one gather. Draws come
-from a torch.Generator seeded with `seed`: the same seed gives the same text on the same
+the prefix is never re-run. Per token the loop makes three calls: the softmax, the draw
+(written straight into the token buffer) and the `Stepper` (one C++ call on the CPU),
+which writes the next logits into a ring of CHUNK rows; the likelihood of the drawn
+tokens is one log_softmax and one gather per CHUNK tokens. Draws come from a
+torch.Generator seeded with `seed`: the same seed gives the same text on the same
 machine. Each sample's log-likelihood is that of the model itself (temperature 1, no
-truncation), accumulated as it is drawn.
+truncation).
 """
 
 from __future__ import annotations
@@ -38,10 +29,10 @@ from zlm.core.metrics import LN2
 from zlm.data.tokenizers import check_unknown, context_ids
 from zlm.errors import UsageError, ZlmError
 from zlm.inference.load import load_model
-from zlm.model.cells.cpu_ext import load_extension
-from zlm.model.lm import ZoneoutLM
+from zlm.inference.stepper import Stepper
 
 PRIME_WINDOW = 512  # the prime runs through the model in windows of this many tokens
+CHUNK = 256  # logits rows kept between likelihood updates
 
 
 @dataclass(frozen=True)
@@ -99,132 +90,46 @@ class Sample:
         return d
 
 
-class Stepper:
-    """The model's eval-mode step for T = 1 and B streams, into preallocated buffers.
+class Chooser:
+    """Turns logits into the next tokens: temperature, top-k, top-p, then a draw.
 
-    On the CPU with the compiled step (`zlm.model.cells.cpu_ext`) a layer is three calls:
-    the input part (a table row or one multiply), the recurrent multiply, and the C++ step
-    that does every element-wise op and updates h, c in place. lp=True (bf16 chosen on
-    the CPU): the recurrent and inter-layer multiplies read bf16 weights and a bf16 copy
-    of h (fp32 accumulation); h, c, the gates and the decoder stay fp32. Without the
-    compiled step, the same arithmetic runs as ~20 small torch ops (gates i, f, o, g).
+    A draw is an inverse CDF: token j when cum_{j-1} <= u * total < cum_j, with u uniform
+    in [0, 1) from the generator (fp64, drawn CHUNK x B at a time) and the cumulative sums
+    in fp64 - on the CPU one C++ call (`draw` in cpu_kernels.cpp) that also does the
+    softmax, elsewhere a few torch ops. The same seed gives the same tokens.
     """
 
-    def __init__(self, model: ZoneoutLM, batch: int, lp: bool = False):
-        cfg = model.config
-        H, B = cfg.hidden, batch
-        dev, dt = model.decoder.weight.device, model.decoder.weight.dtype
-        self.ext = load_extension() if dev.type == "cpu" and dt in (torch.float32, torch.float64) else None
-        self.lp = lp and self.ext is not None and dt == torch.float32
-        wd = torch.bfloat16 if self.lp else dt
-        self.load_weights(model)
-        self.keep_c = [layer.zoneout_cell for layer in model.layers]
-        self.keep_h = [layer.zoneout_hidden for layer in model.layers]
-        self.h = torch.zeros(cfg.layers, B, H, device=dev, dtype=dt)  # (L, B, H)
-        self.c = torch.zeros_like(self.h)
-        self.h_lp = self.h.to(torch.bfloat16) if self.lp else None  # (L, B, H) bf16 copy of h
-        self.rec = torch.empty(B, 4 * H, device=dev, dtype=wd)  # (B, 4H) recurrent part (lp)
-        self.logits = torch.empty(B, cfg.vocab_size, device=dev, dtype=dt)  # (B, V)
-        self.gates = [torch.empty(B, 4 * H, device=dev, dtype=dt) for _ in model.layers]
-        self.c_new, self.tanh_c, self.h_new = (torch.empty(B, H, device=dev, dtype=dt) for _ in range(3))
-        # Views fixed once: sigmoid over i, f, o (B, 3H), tanh over g (B, H).
-        self.views = [(g[:, : 3 * H], g[:, 3 * H :], g[:, :H], g[:, H : 2 * H], g[:, 2 * H : 3 * H],
-                       g[:, 3 * H :]) for g in self.gates]
-
-    @torch.no_grad()
-    def load_weights(self, model: ZoneoutLM) -> None:
-        """(Re)derive the step's weight layouts from `model` (after its weights changed)."""
-        H, dev = model.config.hidden, model.decoder.weight.device
-        wd = torch.bfloat16 if self.lp else model.decoder.weight.dtype
-        if self.ext is None:  # i, f, g, o -> i, f, o, g: one sigmoid over (B, 3H)
-            perm = torch.cat([torch.arange(0, 2 * H), torch.arange(3 * H, 4 * H),
-                              torch.arange(2 * H, 3 * H)]).to(dev)
-        else:
-            perm = torch.arange(4 * H, device=dev)
-        first = model.layers[0]
-        emb = model.embedding.weight  # (V, E)
-        self.table = torch.addmm(first.bias, emb, first.weight_ih.t())[:, perm].contiguous()
-        self.w_hh = [layer.weight_hh[perm].t().to(wd).contiguous() for layer in model.layers]  # (H, 4H)
-        self.w_ih = [layer.weight_ih[perm].t().to(wd).contiguous() for layer in model.layers]  # (I, 4H)
-        self.bias = [layer.bias[perm].to(wd).contiguous() for layer in model.layers]  # (4H,)
-        self.dec_w = model.decoder.weight.t().contiguous()  # (H, V)
-        self.dec_b = model.decoder.bias.detach().clone()  # (V,)
-
-    def set_state(self, h: Tensor, c: Tensor) -> None:
-        """h, c: (L, 1 or B, H), broadcast over the B streams."""
-        self.h.copy_(h.expand_as(self.h))
-        self.c.copy_(c.expand_as(self.c))
-        if self.lp:
-            self.h_lp.copy_(self.h)
-
-    def __call__(self, tok: Tensor) -> Tensor:
-        """tok: (B,) int64 -> logits (B, V), a buffer overwritten by the next call."""
-        x = self._layers_compiled(tok) if self.ext is not None else self._layers_torch(tok)
-        return torch.addmm(self.dec_b, x, self.dec_w, out=self.logits)
-
-    def _layers_compiled(self, tok: Tensor) -> Tensor:
-        for k, g in enumerate(self.gates):
-            h, c = self.h[k], self.c[k]  # (B, H), updated in place by the C++ step
-            if k == 0:
-                torch.index_select(self.table, 0, tok, out=g)  # (B, 4H) = E[tok] W_ih^T + b
-            elif self.lp:
-                g.copy_(torch.addmm(self.bias[k], self.h_lp[k - 1], self.w_ih[k]))
-            else:
-                torch.addmm(self.bias[k], self.h[k - 1], self.w_ih[k], out=g)
-            if self.lp:
-                rec = torch.mm(self.h_lp[k], self.w_hh[k], out=self.rec)  # (B, 4H) bf16
-                h_lp = self.h_lp[k]
-            else:
-                rec, h_lp = None, None
-                g.addmm_(h, self.w_hh[k])
-            self.ext.forward_step(g, rec, g, c, h, None, self.keep_c[k], None, self.keep_h[k],
-                                  c, self.tanh_c, h, h_lp)
-        return self.h[-1]
-
-    def _layers_torch(self, tok: Tensor) -> Tensor:
-        x = None
-        for k, g in enumerate(self.gates):
-            h, c = self.h[k], self.c[k]  # (B, H)
-            sig, tnh, i, f, o, gg = self.views[k]
-            if k == 0:
-                torch.index_select(self.table, 0, tok, out=g)  # (B, 4H)
-            else:
-                torch.addmm(self.bias[k], x, self.w_ih[k], out=g)
-            g.addmm_(h, self.w_hh[k])
-            sig.sigmoid_()
-            tnh.tanh_()
-            torch.mul(f, c, out=self.c_new)
-            self.c_new.addcmul_(i, gg)  # c~ = f c + i g
-            torch.tanh(self.c_new, out=self.tanh_c)
-            torch.mul(o, self.tanh_c, out=self.h_new)  # h~ = o tanh(c~)
-            _zone(c, self.c_new, self.keep_c[k])
-            _zone(h, self.h_new, self.keep_h[k])
-            x = h
-        return x
-
-
-def _zone(state: Tensor, new: Tensor, keep: float) -> None:
-    """state = keep * state + (1 - keep) * new, in place (eval-mode zoneout)."""
-    if keep == 0.0:
-        state.copy_(new)
-    else:
-        state.lerp_(new, 1.0 - keep)
-
-
-class Chooser:
-    """Turns logits into the next tokens: temperature, top-k, top-p, then a draw."""
-
-    def __init__(self, cfg: SampleConfig, vocab: int, generator: torch.Generator):
+    def __init__(self, cfg: SampleConfig, vocab: int, generator: torch.Generator, batch: int = 1,
+                 ext=None):
         self.greedy = cfg.temperature == 0
         self.inv_t = 1.0 / cfg.temperature if cfg.temperature > 0 else 1.0
         self.top_k = cfg.top_k if cfg.top_k and cfg.top_k < vocab else None
         self.top_p = cfg.top_p if cfg.top_p is not None and cfg.top_p < 1 else None
         self.gen = generator
+        self.ext = ext if ext is not None and hasattr(ext, "draw") and generator.device.type == "cpu" else None
+        self.u = torch.empty(CHUNK, batch, dtype=torch.float64, device=generator.device)  # (CHUNK, B)
+        self.k = CHUNK  # next row of self.u to use
 
-    def __call__(self, logits: Tensor) -> Tensor:
-        """logits (B, V) (left unchanged) -> tokens (B, 1) int64."""
+    def uniforms(self) -> Tensor:
+        """(B,) fp64 uniforms in [0, 1), a fresh row per call."""
+        if self.k == self.u.shape[0]:
+            torch.rand(self.u.shape, generator=self.gen, dtype=torch.float64, device=self.u.device, out=self.u)
+            self.k = 0
+        self.k += 1
+        return self.u[self.k - 1]
+
+    def __call__(self, logits: Tensor, out: Tensor | None = None) -> Tensor:
+        """logits (B, V) (left unchanged) -> tokens (B, 1) int64 (into `out` if given)."""
         if self.greedy:
-            return logits.argmax(-1, keepdim=True)
+            return torch.argmax(logits, -1, keepdim=True, out=out)
+        out = torch.empty(logits.shape[0], 1, dtype=torch.long, device=logits.device) if out is None else out
+        u = self.uniforms()
+        if self.top_k is None and self.top_p is None:
+            if self.ext is not None and logits.dtype == torch.float32 and logits.is_contiguous():
+                self.ext.draw(logits, u, self.inv_t, True, out)
+                return out
+            weights = ((logits.double() - logits.max(-1, keepdim=True).values) * self.inv_t).exp()
+            return _inverse_cdf(weights, u, out)
         z = logits * self.inv_t  # (B, V)
         if self.top_k is not None:
             kth = z.topk(self.top_k, -1).values[:, -1:]  # (B, 1)
@@ -234,7 +139,18 @@ class Chooser:
             sorted_p, order = probs.sort(-1, descending=True)
             drop = sorted_p.cumsum(-1) - sorted_p > self.top_p  # the first is always kept
             probs = probs.scatter(-1, order, sorted_p.masked_fill_(drop, 0.0))
-        return torch.multinomial(probs, 1, generator=self.gen)
+        if self.ext is not None and probs.dtype == torch.float32:
+            self.ext.draw(probs.contiguous(), u, 1.0, False, out)
+            return out
+        return _inverse_cdf(probs.double(), u, out)
+
+
+def _inverse_cdf(weights: Tensor, u: Tensor, out: Tensor) -> Tensor:
+    """The torch form of the C++ draw: weights (B, V) >= 0 fp64, u (B,) -> out (B, 1)."""
+    cdf = weights.cumsum(-1)  # (B, V)
+    below = (cdf <= u[:, None] * cdf[:, -1:]).sum(-1, keepdim=True)  # tokens wholly below the target
+    last = (weights > 0).cumsum(-1).argmax(-1, keepdim=True)  # the last token with weight
+    return torch.minimum(below, last, out=out)
 
 
 def encode_prime(lm, prime: str, unknown: str = "error", flag: str = "--prime") -> Tensor:
@@ -271,12 +187,14 @@ def _encodes(tokenizer, text: str) -> bool:
 
 
 @torch.no_grad()  # not inference_mode: the fused cell reuses workspaces across calls
-def generate(lm, cfg: SampleConfig, on_text: Callable[[str], None] | None = None) -> list[Sample]:
+def generate(lm, cfg: SampleConfig, on_text: Callable[[str], None] | None = None,
+             kernel: str = "auto") -> list[Sample]:
     """Generate cfg.num_samples continuations of cfg.prime as one batch.
 
     lm: a `zlm.inference.load.LoadedModel`. on_text: with one sample, called with the prime
     and then with each piece of text as soon as its token is drawn (streaming); with
-    several it is not called (the samples are returned when all are done).
+    several it is not called (the samples are returned when all are done). kernel: the
+    `Stepper`'s (benchmarks; "auto" is the fastest available).
     """
     model, tok = lm.model, lm.tokenizer
     model.eval()
@@ -287,32 +205,35 @@ def generate(lm, cfg: SampleConfig, on_text: Callable[[str], None] | None = None
     state = None
     for s in range(0, prime_ids.shape[0], PRIME_WINDOW):  # the prime, once
         logits, state = model(prime_ids[s : s + PRIME_WINDOW], state)
-    step = Stepper(model, B, lp=lm.runtime.precision == "bf16" and dev.type == "cpu")
+    step = Stepper(model, B, lp=lm.runtime.precision == "bf16" and dev.type == "cpu", kernel=kernel)
     step.set_state(*state)
-    choose = Chooser(cfg, model.config.vocab_size, gen)
-    logits = logits[-1].float().expand(B, -1)  # (B, V) the first distribution
-    ids = torch.empty(n, B, dtype=torch.long, device=dev)  # (n, B) generated tokens
-    logp = torch.empty(n, B, 1, device=dev)  # (n, B, 1) log p of each drawn token (temperature 1)
+    choose = Chooser(cfg, model.config.vocab_size, gen, B, step.ext)
+    dt = model.decoder.weight.dtype
+    ring = torch.empty(min(n, CHUNK), B, model.config.vocab_size, device=dev, dtype=dt)  # (C, B, V) logits
+    ring[0].copy_(logits[-1].float().expand(B, -1))  # the first distribution
+    ids = torch.empty(n, B, 1, dtype=torch.long, device=dev)  # (n, B, 1) generated tokens
+    logp = torch.empty(n, B, 1, device=dev, dtype=dt)  # (n, B, 1) log p of each drawn token (temperature 1)
     stream = on_text if B == 1 else None
     decoder = tok.stream_decoder() if stream else None
     if stream and cfg.prime:
         stream(cfg.prime)
+    C = ring.shape[0]
     for t in range(n):
-        nxt = choose(logits)  # (B, 1)
-        # log p before any truncation or temperature: the model's own likelihood
-        torch.gather(torch.log_softmax(logits, -1), 1, nxt, out=logp[t])
-        ids[t] = nxt.squeeze(1)
+        r = t % C
+        nxt = choose(ring[r], out=ids[t])  # (B, 1)
         if stream:
             piece = decoder.feed(int(nxt))
             if piece:
                 stream(piece)
+        if r == C - 1 or t == n - 1:  # log p before any truncation or temperature
+            torch.gather(torch.log_softmax(ring[: r + 1], -1), 2, ids[t - r : t + 1], out=logp[t - r : t + 1])
         if t + 1 < n:
-            logits = step(ids[t])
+            step(ids[t].view(B), out=ring[(t + 1) % C])
     if stream:
         tail = decoder.flush()
         if tail:
             stream(tail)
-    cols = ids.t().cpu().tolist()  # B lists of n ids
+    cols = ids.squeeze(2).t().cpu().tolist()  # B lists of n ids
     nats = -logp.squeeze(2).double().sum(0)  # (B,) -log p, summed in fp64
     out = []
     for b in range(B):

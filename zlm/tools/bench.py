@@ -39,7 +39,7 @@ from torch import nn
 
 from zlm.core.precision import cpu_bf16_native, resolve_precision
 from zlm.errors import UsageError
-from zlm.inference.sample import Stepper
+from zlm.inference.stepper import Stepper
 from zlm.model.cells import choose_cell
 from zlm.model.cells.masks import draw_keep
 from zlm.model.cells.reference import zoneout_lstm_reference
@@ -134,6 +134,7 @@ class _Runner:
         shape = (cfg.bptt + 1, cfg.batch_size)
         self.tokens = torch.randint(cfg.vocab, shape, generator=g).to(device)  # (T+1, B)
         self.state = None
+        self._stepper = None  # the sampling row's Stepper, built on first use
         self.tok = torch.zeros(1, 1, dtype=torch.long, device=device)
         self.graphed = impl == GRAPHED
         self.graphs: dict[str, CapturedStep] = {}
@@ -237,8 +238,10 @@ class _Runner:
                     _, h, c = m.cell(m.embedding(tok), h, c, *w)
                     tok = torch.multinomial(torch.softmax(m.decoder(h), dim=-1), 1)  # (1, 1)
                 return n
-            lp = self.cfg.precision == "bf16" and self.device.type == "cpu"
-            step = Stepper(m, 1, lp=lp)  # as zlm sample runs it
+            if self._stepper is None:  # built once, as zlm sample does per run (weights packed)
+                lp = self.cfg.precision == "bf16" and self.device.type == "cpu"
+                self._stepper = Stepper(m, 1, lp=lp)
+            step = self._stepper
             tok = tok[0]  # (1,)
             for _ in range(n):
                 tok = torch.multinomial(torch.softmax(step(tok), dim=-1), 1)[0]  # (1,)

@@ -1,0 +1,210 @@
+"""The model's eval-mode step for one token per stream: what sampling and compression run.
+
+The step is the model's own arithmetic (eval mode: zoneout uses its expectation, dropout
+is off) laid out for T = 1:
+
+    layer 0   gates = table[tok] + h W_hh^T          table = E W_ih^T + b, (V, 4H), once
+    layer k   gates = b + x W_ih^T + h W_hh^T        (B, 4H)
+    all       i, f, o = sigmoid, g = tanh;  c~ = f c + i g;  h~ = o tanh(c~)
+              c = z_c c + (1 - z_c) c~;  h = z_h h + (1 - z_h) h~
+    decoder   logits = h W_d^T + b_d                 (B, V)
+
+into buffers allocated once. Three kernels, chosen once per `Stepper`:
+
+- "decode" (CPU, fp32 model, compiled extension): the whole step - every layer's
+  matrix-vector products, the element-wise work and the decoder - is ONE call of the
+  C++ `Decoder` (zlm/model/cells/cpu_kernels.cpp), on weights packed here once into
+  32-column tiles with the gates of 8 units side by side (`pack_tiles`, `gate_columns`).
+  The products are memory-bound at batch 1, so bf16 weights (lp=True) halve the bytes
+  read per token; x, h, c and the accumulators stay fp32.
+- "cpp": per layer a torch multiply for the recurrence and one call of the compiled
+  element-wise step (`forward_step`). `zlm compress` records and replays this kernel.
+- "torch": ~20 small torch ops per layer (no compiler, fp64, CUDA).
+
+Each is checked against the model's forward (tests/inference/test_stepper_compiled.py,
+tests/inference/test_sample.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from zlm.model.cells.cpu_ext import load_extension
+from zlm.model.lm import ZoneoutLM
+
+TILE, UNITS = 32, 8  # the Decoder's tile width (columns) and units per tile (4 gates x 8)
+KERNELS = ("auto", "decode", "cpp", "torch")
+
+
+def gate_columns(H: int) -> Tensor:
+    """(Np,) int64, Np = ceil(H/8) * 32: for each packed column, the column of a (.., 4H)
+    gate matrix (blocks i, f, g, o) it takes, or 4H for a zero pad; tile t holds the four
+    gates of units 8t .. 8t+7, 8 columns each."""
+    tiles = -(-H // UNITS)
+    unit = torch.arange(tiles).view(tiles, 1, 1) * UNITS + torch.arange(UNITS).view(1, 1, UNITS)
+    col = torch.arange(4).view(1, 4, 1) * H + unit  # (tiles, 4, UNITS)
+    return torch.where(unit < H, col, 4 * H).reshape(-1)
+
+
+def interleave(m: Tensor, H: int) -> Tensor:
+    """(.., 4H) gate columns -> (.., Np) in the Decoder's order (zeros in the pads)."""
+    pad = torch.cat([m, m.new_zeros(*m.shape[:-1], 1)], -1)
+    return pad[..., gate_columns(H).to(m.device)].contiguous()
+
+
+def pack_tiles(w: Tensor) -> Tensor:
+    """A right operand (K, N) -> (ceil(N/32), K, 32) contiguous tiles (zero-padded)."""
+    K, N = w.shape
+    n = -(-N // TILE) * TILE
+    w = torch.cat([w, w.new_zeros(K, n - N)], 1) if n > N else w
+    return w.reshape(K, n // TILE, TILE).permute(1, 0, 2).contiguous()
+
+
+class Stepper:
+    """The model's eval-mode step for T = 1 and B streams, into preallocated buffers.
+
+    kernel: "auto" (the fastest this model and machine have: "decode", else "cpp", else
+    "torch"; see the module docstring), or one of them ("decode" and "cpp" fall back the
+    same way when they cannot run). lp=True (bf16 chosen on the CPU): the multiplies read
+    bf16 weights ("cpp": and a bf16 copy of h); h, c, the gates and the decoder stay fp32.
+    threads: the Decoder's threads (default torch's); its result does not depend on them.
+    The weights are copied: after changing the model's, call `load_weights`.
+    """
+
+    def __init__(self, model: ZoneoutLM, batch: int, lp: bool = False, kernel: str = "auto",
+                 threads: int | None = None):
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+        cfg = model.config
+        H, B = cfg.hidden, batch
+        dev, dt = model.decoder.weight.device, model.decoder.weight.dtype
+        self.ext = load_extension() if dev.type == "cpu" and dt in (torch.float32, torch.float64) else None
+        whole = self.ext is not None and dt == torch.float32 and hasattr(self.ext, "Decoder")
+        if kernel in ("auto", "decode") and whole:
+            self.kernel = "decode"
+        else:
+            self.kernel = "cpp" if self.ext is not None and kernel != "torch" else "torch"
+        if self.kernel == "torch":
+            self.ext = None
+        self.lp = lp and self.ext is not None and dt == torch.float32
+        self.threads = threads or torch.get_num_threads()
+        wd = torch.bfloat16 if self.lp else dt
+        self.keep_c = [layer.zoneout_cell for layer in model.layers]
+        self.keep_h = [layer.zoneout_hidden for layer in model.layers]
+        self.h = torch.zeros(cfg.layers, B, H, device=dev, dtype=dt)  # (L, B, H)
+        self.c = torch.zeros_like(self.h)
+        self.h_lp = self.h.to(torch.bfloat16) if self.lp else None  # (L, B, H) bf16 copy of h
+        self.rec = torch.empty(B, 4 * H, device=dev, dtype=wd)  # (B, 4H) recurrent part (lp)
+        self.logits = torch.empty(B, cfg.vocab_size, device=dev, dtype=dt)  # (B, V)
+        self.gates = [torch.empty(B, 4 * H, device=dev, dtype=dt) for _ in model.layers]
+        self.c_new, self.tanh_c, self.h_new = (torch.empty(B, H, device=dev, dtype=dt) for _ in range(3))
+        # Views fixed once: sigmoid over i, f, o (B, 3H), tanh over g (B, H).
+        self.views = [(g[:, : 3 * H], g[:, 3 * H :], g[:, :H], g[:, H : 2 * H], g[:, 2 * H : 3 * H],
+                       g[:, 3 * H :]) for g in self.gates]
+        self.load_weights(model)
+
+    @torch.no_grad()
+    def load_weights(self, model: ZoneoutLM) -> None:
+        """(Re)derive the step's weight layouts from `model` (after its weights changed)."""
+        if self.kernel == "decode":
+            self.decoder = self._pack_decoder(model)
+            return
+        H, dev = model.config.hidden, model.decoder.weight.device
+        wd = torch.bfloat16 if self.lp else model.decoder.weight.dtype
+        if self.ext is None:  # i, f, g, o -> i, f, o, g: one sigmoid over (B, 3H)
+            perm = torch.cat([torch.arange(0, 2 * H), torch.arange(3 * H, 4 * H),
+                              torch.arange(2 * H, 3 * H)]).to(dev)
+        else:
+            perm = torch.arange(4 * H, device=dev)
+        first = model.layers[0]
+        emb = model.embedding.weight  # (V, E)
+        self.table = torch.addmm(first.bias, emb, first.weight_ih.t())[:, perm].contiguous()
+        self.w_hh = [layer.weight_hh[perm].t().to(wd).contiguous() for layer in model.layers]  # (H, 4H)
+        self.w_ih = [layer.weight_ih[perm].t().to(wd).contiguous() for layer in model.layers]  # (I, 4H)
+        self.bias = [layer.bias[perm].to(wd).contiguous() for layer in model.layers]  # (4H,)
+        self.dec_w = model.decoder.weight.t().contiguous()  # (H, V)
+        self.dec_b = model.decoder.bias.detach().clone()  # (V,)
+
+    def _pack_decoder(self, model: ZoneoutLM):
+        """The C++ Decoder over packed copies of the weights, sharing self.h and self.c."""
+        H = model.config.hidden
+        wd = torch.bfloat16 if self.lp else torch.float32
+        first = model.layers[0]
+        table = interleave(torch.addmm(first.bias, model.embedding.weight, first.weight_ih.t()), H)  # (V, Np)
+        weights, biases = [], []
+        for k, layer in enumerate(model.layers):
+            w = layer.weight_hh.t() if k == 0 else torch.cat([layer.weight_ih.t(), layer.weight_hh.t()], 0)
+            weights.append(pack_tiles(interleave(w, H)).to(wd))  # (tiles, K, 32)
+            biases.append(interleave(layer.bias, H) if k else torch.empty(0))
+        dec_w = pack_tiles(model.decoder.weight.t())  # (ceil(V/32), H, 32)
+        return self.ext.Decoder(table, weights, biases, dec_w, model.decoder.bias.detach().clone(),
+                                self.h, self.c, [float(k) for k in self.keep_c],
+                                [float(k) for k in self.keep_h], int(self.threads))
+
+    def set_state(self, h: Tensor, c: Tensor) -> None:
+        """h, c: (L, 1 or B, H), broadcast over the B streams."""
+        self.h.copy_(h.expand_as(self.h))
+        self.c.copy_(c.expand_as(self.c))
+        if self.lp:
+            self.h_lp.copy_(self.h)
+
+    def __call__(self, tok: Tensor, out: Tensor | None = None) -> Tensor:
+        """tok: (B,) int64 -> logits (B, V): `out` if given (contiguous fp32 (B, V)), else a
+        buffer overwritten by the next call."""
+        out = self.logits if out is None else out
+        if self.kernel == "decode":
+            self.decoder.step(tok if tok.dtype == torch.long else tok.long(), out)
+            return out
+        x = self._layers_compiled(tok) if self.ext is not None else self._layers_torch(tok)
+        return torch.addmm(self.dec_b, x, self.dec_w, out=out)
+
+    def _layers_compiled(self, tok: Tensor) -> Tensor:
+        for k, g in enumerate(self.gates):
+            h, c = self.h[k], self.c[k]  # (B, H), updated in place by the C++ step
+            if k == 0:
+                torch.index_select(self.table, 0, tok, out=g)  # (B, 4H) = E[tok] W_ih^T + b
+            elif self.lp:
+                g.copy_(torch.addmm(self.bias[k], self.h_lp[k - 1], self.w_ih[k]))
+            else:
+                torch.addmm(self.bias[k], self.h[k - 1], self.w_ih[k], out=g)
+            if self.lp:
+                rec = torch.mm(self.h_lp[k], self.w_hh[k], out=self.rec)  # (B, 4H) bf16
+                h_lp = self.h_lp[k]
+            else:
+                rec, h_lp = None, None
+                g.addmm_(h, self.w_hh[k])
+            self.ext.forward_step(g, rec, g, c, h, None, self.keep_c[k], None, self.keep_h[k],
+                                  c, self.tanh_c, h, h_lp)
+        return self.h[-1]
+
+    def _layers_torch(self, tok: Tensor) -> Tensor:
+        x = None
+        for k, g in enumerate(self.gates):
+            h, c = self.h[k], self.c[k]  # (B, H)
+            sig, tnh, i, f, o, gg = self.views[k]
+            if k == 0:
+                torch.index_select(self.table, 0, tok, out=g)  # (B, 4H)
+            else:
+                torch.addmm(self.bias[k], x, self.w_ih[k], out=g)
+            g.addmm_(h, self.w_hh[k])
+            sig.sigmoid_()
+            tnh.tanh_()
+            torch.mul(f, c, out=self.c_new)
+            self.c_new.addcmul_(i, gg)  # c~ = f c + i g
+            torch.tanh(self.c_new, out=self.tanh_c)
+            torch.mul(o, self.tanh_c, out=self.h_new)  # h~ = o tanh(c~)
+            _zone(c, self.c_new, self.keep_c[k])
+            _zone(h, self.h_new, self.keep_h[k])
+            x = h
+        return x
+
+
+def _zone(state: Tensor, new: Tensor, keep: float) -> None:
+    """state = keep * state + (1 - keep) * new, in place (eval-mode zoneout)."""
+    if keep == 0.0:
+        state.copy_(new)
+    else:
+        state.lerp_(new, 1.0 - keep)
+
+
