@@ -7,8 +7,9 @@ Owns `SampleConfig`, token selection (`Chooser`: temperature, top-k, top-p, gree
 The prime (or, without one, a single newline as context) runs through the model once,
 as one window, to get the state and the first distribution; the state is copied to the
 B = num_samples streams, and from then on each step feeds only the token just drawn —
-the prefix is never re-run. Per token the loop makes three calls: the softmax, the draw
-(written straight into the token buffer) and the `Stepper` (one C++ call on the CPU),
+the prefix is never re-run. Per token the loop makes two calls on the CPU: the draw
+(tempered softmax and inverse CDF in one C++ call, written straight into the token buffer;
+a few torch ops elsewhere or with top-k/top-p) and the `Stepper` (one C++ call),
 which writes the next logits into a ring of CHUNK rows; the likelihood of the drawn
 tokens is one log_softmax and one gather per CHUNK tokens. Draws come from a
 torch.Generator seeded with `seed`: the same seed gives the same text on the same

@@ -94,14 +94,15 @@ class Stepper:
         self.keep_h = [layer.zoneout_hidden for layer in model.layers]
         self.h = torch.zeros(cfg.layers, B, H, device=dev, dtype=dt)  # (L, B, H)
         self.c = torch.zeros_like(self.h)
-        self.h_lp = self.h.to(torch.bfloat16) if self.lp else None  # (L, B, H) bf16 copy of h
-        self.rec = torch.empty(B, 4 * H, device=dev, dtype=wd)  # (B, 4H) recurrent part (lp)
+        self.h_lp = self.h.to(torch.bfloat16) if self.lp and self.kernel == "cpp" else None  # bf16 copy of h
         self.logits = torch.empty(B, cfg.vocab_size, device=dev, dtype=dt)  # (B, V)
-        self.gates = [torch.empty(B, 4 * H, device=dev, dtype=dt) for _ in model.layers]
-        self.c_new, self.tanh_c, self.h_new = (torch.empty(B, H, device=dev, dtype=dt) for _ in range(3))
-        # Views fixed once: sigmoid over i, f, o (B, 3H), tanh over g (B, H).
-        self.views = [(g[:, : 3 * H], g[:, 3 * H :], g[:, :H], g[:, H : 2 * H], g[:, 2 * H : 3 * H],
-                       g[:, 3 * H :]) for g in self.gates]
+        if self.kernel != "decode":  # the per-layer buffers of the "cpp" and "torch" kernels
+            self.rec = torch.empty(B, 4 * H, device=dev, dtype=wd)  # (B, 4H) recurrent part (lp)
+            self.gates = [torch.empty(B, 4 * H, device=dev, dtype=dt) for _ in model.layers]
+            self.c_new, self.tanh_c, self.h_new = (torch.empty(B, H, device=dev, dtype=dt) for _ in range(3))
+            # Views fixed once: sigmoid over i, f, o (B, 3H), tanh over g (B, H).
+            self.views = [(g[:, : 3 * H], g[:, 3 * H :], g[:, :H], g[:, H : 2 * H], g[:, 2 * H : 3 * H],
+                           g[:, 3 * H :]) for g in self.gates]
         self.load_weights(model)
 
     @torch.no_grad()
@@ -146,7 +147,7 @@ class Stepper:
         """h, c: (L, 1 or B, H), broadcast over the B streams."""
         self.h.copy_(h.expand_as(self.h))
         self.c.copy_(c.expand_as(self.c))
-        if self.lp:
+        if self.h_lp is not None:
             self.h_lp.copy_(self.h)
 
     def __call__(self, tok: Tensor, out: Tensor | None = None) -> Tensor:
