@@ -52,8 +52,10 @@ def test_defaults_are_zlm_trains_and_baseline_is_the_plain_lstm(tmp_path, monkey
     assert (bt.optimizer, bt.lr, bt.schedule.kind, bt.clip, bt.batch_size, bt.bptt) == \
         ("adam", 2e-3, "constant", 1.0, 32, 100)
     assert (bt.state, bt.reset_prob) == ("carry", 0.0)
-    for same in ("precision", "eval_every", "device", "cell", "time_budget", "seed"):
+    for same in ("precision", "device", "cell", "time_budget", "seed"):
         assert getattr(bt, same) == getattr(train, same), same
+    # The same validation schedule in tokens: the defaults' windows are 32 x 50, the baseline's 32 x 100.
+    assert train.bptt == 50 and bt.eval_every * 3200 == pytest.approx(train.eval_every * 1600, abs=5 * 3200)
     assert bm.vocab_size == data.vocab_size
     # The baseline of a seed shares the rule its defaults run stored, never a new measurement.
     run = tmp_path / "defaults-seed2"
@@ -61,7 +63,7 @@ def test_defaults_are_zlm_trains_and_baseline_is_the_plain_lstm(tmp_path, monkey
     (run / "config.json").write_text(json.dumps({"defaults_rule": rule.to_dict()}))
     monkeypatch.setattr(defaults, "probe_tokens_per_s", lambda *a, **k: 1.0)
     _, bt2, none = cb.run_configs("baseline", data, 2, cb.BenchmarkConfig(), tmp_path)
-    assert none is None and bt2.eval_every == rule.settings["eval_every"]
+    assert none is None and bt2.eval_every == bt.eval_every
 
 
 def test_config_checks():

@@ -22,10 +22,11 @@ TEN_MINUTES = 600.0
 
 
 @pytest.mark.parametrize("train_tokens, speed, regime, hidden", [
-    (1_003_854, 14_000.0, "regularised", 384),  # tiny Shakespeare, 10 min on 2 CPU cores
-    (1_825_680, 14_000.0, "regularised", 384),  # 2M characters of Russian quotations
+    (1_003_854, 14_000.0, "regularised", 384),  # tiny Shakespeare, 10 min on 2 CPU cores: 12.8 passes
+    (1_825_680, 14_000.0, "data-rich", 384),  # 2M characters of Russian quotations: 7 passes
     (10_594_014, 14_000.0, "data-rich", 384),  # 11.8M characters of prose: about one pass
-    (10_594_014, 400_000.0, "regularised", 1024),  # the same corpus on a fast GPU
+    (10_594_014, 400_000.0, "data-rich", 1024),  # the same corpus on a fast GPU: 5.5 passes
+    (1_003_854, 400_000.0, "regularised", 1024),  # tiny Shakespeare there: 58 passes
     (10_594_014, 2_000.0, "data-rich", 256),  # a slow machine: a small model
     (10_594_014, 300.0, "data-rich", 128),  # slower still: the smallest
 ])
@@ -52,8 +53,11 @@ def test_size_and_regime_follow_from_corpus_size_and_speed(train_tokens, speed, 
     assert s["reset_prob"] == 0.02  # both: without resets evaluation's cold streams can fail
     assert (s["layers"], s["embed"], s["schedule"]) == (1, 64, "cosine")
     assert s["lr"] == (5e-3 if regime == "regularised" else 4e-3)
-    # About EVALS_PER_RUN validations in the run, rounded up to tens of steps.
-    steps = rule.expected_epochs * train_tokens / 3200
+    # The regularised regime trains on windows of 50 (twice the updates), the data-rich on 100.
+    assert s["bptt"] == (50 if regime == "regularised" else 100)
+    assert f"bptt {s['bptt']}," in rule.line
+    # About EVALS_PER_RUN validations in the run, rounded up to tens of steps of 32 x bptt tokens.
+    steps = rule.expected_epochs * train_tokens / (32 * s["bptt"])
     assert s["eval_every"] >= defaults.MIN_EVAL_EVERY
     assert steps / s["eval_every"] <= defaults.EVALS_PER_RUN
     assert s["eval_every"] == defaults.MIN_EVAL_EVERY or steps / (s["eval_every"] - 10) > defaults.EVALS_PER_RUN
@@ -62,8 +66,8 @@ def test_size_and_regime_follow_from_corpus_size_and_speed(train_tokens, speed, 
 
 
 @pytest.mark.parametrize("train_tokens, speed, regime", [
-    (3_000_000, 11_200.0, "regularised"),  # exactly SEVERAL_EPOCHS passes at --hidden 512
-    (3_000_000, 11_100.0, "data-rich"),  # just under
+    (3_000_000, 55_600.0, "regularised"),  # OVERFIT_EPOCHS (10) passes at --hidden 512
+    (3_000_000, 55_500.0, "data-rich"),  # just under
 ])
 def test_the_regime_threshold_with_an_explicit_size(train_tokens, speed, regime):
     rule = decide(RunLength(train_tokens, time_budget=TEN_MINUTES), speed, hidden=512)
@@ -80,8 +84,8 @@ def test_parameter_count_is_the_models():
 
 
 def test_epochs_and_steps_need_no_speed_and_the_nearest_limit_counts():
-    assert decide(RunLength(1_000_000, epochs=5)).regime == "regularised"
-    assert decide(RunLength(1_000_000, epochs=1)).regime == "data-rich"
+    assert decide(RunLength(1_000_000, epochs=10)).regime == "regularised"
+    assert decide(RunLength(1_000_000, epochs=9.9)).regime == "data-rich"
     steps = decide(RunLength(1_000_000, max_steps=100, tokens_per_step=3200))  # 0.32 passes
     assert steps.regime == "data-rich" and steps.expected_epochs == pytest.approx(0.32)
     both = decide(RunLength(1_000_000, epochs=10, max_steps=100))
@@ -152,6 +156,24 @@ def test_for_run_probes_only_for_a_budget_and_reads_the_stored_choice_back(corpu
     assert defaults.for_run(preset, corpus, {"time_budget": 60.0}, run_dir=run, resume=True) == rule
     (run / "config.json").write_text(json.dumps({"model": {}}))  # started before the rule
     assert defaults.for_run(preset, corpus, {"time_budget": 60.0}, run_dir=run, resume=True) is None
+
+
+def test_the_regimes_window_counts_the_steps_and_an_explicit_bptt_stays(corpus, monkeypatch):
+    preset = get_preset(None)
+    monkeypatch.setattr(defaults, "probe_tokens_per_s", lambda *a, **k: 50_000.0)
+    ruled = defaults.for_run(preset, corpus, {"time_budget": 60.0, "hidden": 16})
+    given = defaults.for_run(preset, corpus, {"time_budget": 60.0, "hidden": 16, "bptt": 100})
+    assert ruled.regime == given.regime == "regularised"
+    assert ruled.settings["bptt"] == 50 and "bptt" not in given.settings and "bptt" not in given.line
+    assert ruled.expected_epochs == given.expected_epochs
+    # The same text between validations: twice the steps at half the window.
+    assert abs(ruled.settings["eval_every"] - 2 * given.settings["eval_every"]) <= 10
+    # A data-rich run decided from a probe at the regularised window counts steps of 32 x 100.
+    rich = decide(RunLength(10_594_014, time_budget=TEN_MINUTES, tokens_per_step=1600, bptt=50), 14_000.0)
+    assert rich.regime == "data-rich" and rich.settings["bptt"] == 100
+    steps = rich.expected_epochs * 10_594_014 / 3200
+    every = rich.settings["eval_every"]
+    assert steps / every <= defaults.EVALS_PER_RUN < steps / (every - 10)
 
 
 TINY = ["--hidden", "16", "--embed", "8", "--batch-size", "4", "--bptt", "20", "--log-every", "100"]

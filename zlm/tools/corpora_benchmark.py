@@ -134,9 +134,17 @@ def zlm_defaults(data: Dataset, options: dict, rule_dir: Path | None = None,
 
 def baseline(defaults_cfgs: tuple[ModelConfig, TrainConfig]) -> tuple[ModelConfig, TrainConfig]:
     """The plain-LSTM baseline next to resolved defaults: BASELINE_* fixed, the budget,
-    seed, precision, device and validation schedule taken from the defaults."""
+    seed, precision, device and validation schedule taken from the defaults.
+
+    The schedule is the same in tokens: the defaults validate every `eval_every` windows
+    of their batch x bptt, the baseline every as many tokens of its own windows (rounded to
+    tens of steps), so both are scored equally often along the text."""
     model, train_cfg = defaults_cfgs
     shared = {k: getattr(train_cfg, k) for k in (*SHARED_TRAIN, "seed", "max_steps", "time_budget")}
+    per_step = train_cfg.batch_size * train_cfg.bptt
+    base_per_step = BASELINE_TRAIN["batch_size"] * BASELINE_TRAIN["bptt"]
+    if per_step != base_per_step and shared["eval_every"] > 0:
+        shared["eval_every"] = max(10, round(shared["eval_every"] * per_step / base_per_step / 10) * 10)
     return (ModelConfig(vocab_size=model.vocab_size, **BASELINE_MODEL),
             TrainConfig(**BASELINE_TRAIN, **shared))
 
