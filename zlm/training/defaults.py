@@ -84,7 +84,9 @@ class RunLength:
     time_budget: float | None = None  # seconds
     epochs: float | None = None
     max_steps: int | None = None
-    tokens_per_step: int = 3200  # batch x bptt x processes (--max-steps counts these)
+    # batch x bptt x processes at the probed window (the regularised regime's unless --bptt is
+    # given): --max-steps counts these, so a step-limited run is reckoned at that window.
+    tokens_per_step: int = 3200
     vocab_size: int = 256
     embed: int = 64
     bptt: int = 100  # the window tokens_per_step counts
