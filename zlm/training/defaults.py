@@ -97,8 +97,9 @@ class RunLength:
         return any(v is not None for v in (self.time_budget, self.epochs, self.max_steps))
 
     def step_tokens(self, settings: dict) -> int:
-        """Tokens per optimizer step under a regime's settings (its bptt, unless given)."""
-        if self.bptt_given or "bptt" not in settings:
+        """Tokens per optimizer step under a regime's settings (`decide` leaves their bptt
+        out when --bptt was given)."""
+        if "bptt" not in settings:
             return self.tokens_per_step
         return self.tokens_per_step * settings["bptt"] // self.bptt
 
