@@ -1,7 +1,7 @@
 """Distributed training on CPU: 2 gloo ranks under torch's elastic agent (the --nproc machinery).
 
-With zoneout and dropout off, 2 ranks with batch B must train exactly like one process
-with batch 2B (same losses, same weights), with and without ZeRO; validation must give
+With zoneout and dropout off, in fp32 (bf16 would round batch B and 2B differently), 2 ranks
+with batch B must train exactly like one process with batch 2B (same losses, same weights), with and without ZeRO; validation must give
 the 1-process BPC of the same weights; checkpoints must resume across ZeRO and world
 sizes; a dead or hung rank must end the job with an error, not a hang.
 """
@@ -42,7 +42,7 @@ def _cfgs(data: Dataset, **kw) -> tuple[ModelConfig, TrainConfig]:
     mc = ModelConfig(vocab_size=data.vocab_size, hidden=24, embed=8, zoneout_cell=0.0,
                      zoneout_hidden=0.0, dropout=0.0)
     base = dict(batch_size=B, bptt=16, max_steps=STEPS, eval_every=10, log_every=5, seed=3,
-                eval_streams=5, cell="reference", lr=1e-2)
+                eval_streams=5, cell="reference", lr=1e-2, precision="fp32")
     base.update(kw)
     return mc, TrainConfig(**base)
 

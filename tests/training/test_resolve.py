@@ -41,7 +41,8 @@ def test_resume_never_re_resolves_auto(tiny_data, tmp_path, monkeypatch):
     """The machine now says bf16 (as a CPU with native bf16 would); the resumed run keeps fp32."""
     data = Dataset.open(tiny_data)
     mc, tc = _cfgs(data)
-    train(tmp_path / "run", data, mc, tc)
+    monkeypatch.setattr("zlm.core.precision.cpu_bf16_native", lambda flags=None: False)
+    train(tmp_path / "run", data, mc, tc)  # started on a CPU without native bf16
     monkeypatch.setattr("zlm.core.precision.cpu_bf16_native", lambda flags=None: True)
     assert resolve.resolve_fresh(tc, mc, CPU).precision == "bf16"  # what a re-resolution would give
     train(tmp_path / "run", data, mc, TrainConfig(**{**tc.to_dict(), "max_steps": 4}), resume=True)
