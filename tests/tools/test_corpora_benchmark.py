@@ -54,8 +54,8 @@ def test_defaults_are_zlm_trains_and_baseline_is_the_plain_lstm(tmp_path, monkey
     assert (bt.state, bt.reset_prob) == ("carry", 0.0)
     for same in ("precision", "device", "cell", "time_budget", "seed"):
         assert getattr(bt, same) == getattr(train, same), same
-    # The same validation schedule in tokens: the defaults' windows are 32 x 50, the baseline's 32 x 100.
-    assert train.bptt == 50 and bt.eval_every * 3200 == pytest.approx(train.eval_every * 1600, abs=5 * 3200)
+    # The same validation schedule in tokens: the defaults' windows are 32 x 25, the baseline's 32 x 100.
+    assert train.bptt == 25 and bt.eval_every * 3200 == pytest.approx(train.eval_every * 800, abs=5 * 3200)
     assert bm.vocab_size == data.vocab_size
     # The baseline of a seed shares the rule its defaults run stored, never a new measurement.
     run = tmp_path / "defaults-seed2"

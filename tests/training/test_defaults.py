@@ -53,8 +53,8 @@ def test_size_and_regime_follow_from_corpus_size_and_speed(train_tokens, speed, 
     assert s["reset_prob"] == 0.02  # both: without resets evaluation's cold streams can fail
     assert (s["layers"], s["embed"], s["schedule"]) == (1, 64, "cosine")
     assert s["lr"] == (5e-3 if regime == "regularised" else 4e-3)
-    # The regularised regime trains on windows of 50 (twice the updates), the data-rich on 100.
-    assert s["bptt"] == (50 if regime == "regularised" else 100)
+    # Short windows: more updates for the same text (the regularised regime 25, the data-rich 50).
+    assert s["bptt"] == (25 if regime == "regularised" else 50)
     assert f"bptt {s['bptt']}," in rule.line
     # About EVALS_PER_RUN validations in the run, rounded up to tens of steps of 32 x bptt tokens.
     steps = rule.expected_epochs * train_tokens / (32 * s["bptt"])
@@ -162,16 +162,16 @@ def test_the_regimes_window_counts_the_steps_and_an_explicit_bptt_stays(corpus, 
     preset = get_preset(None)
     monkeypatch.setattr(defaults, "probe_tokens_per_s", lambda *a, **k: 50_000.0)
     ruled = defaults.for_run(preset, corpus, {"time_budget": 60.0, "hidden": 16})
-    given = defaults.for_run(preset, corpus, {"time_budget": 60.0, "hidden": 16, "bptt": 100})
+    given = defaults.for_run(preset, corpus, {"time_budget": 60.0, "hidden": 16, "bptt": 50})
     assert ruled.regime == given.regime == "regularised"
-    assert ruled.settings["bptt"] == 50 and "bptt" not in given.settings and "bptt" not in given.line
+    assert ruled.settings["bptt"] == 25 and "bptt" not in given.settings and "bptt" not in given.line
     assert ruled.expected_epochs == given.expected_epochs
     # The same text between validations: twice the steps at half the window.
     assert abs(ruled.settings["eval_every"] - 2 * given.settings["eval_every"]) <= 10
-    # A data-rich run decided from a probe at the regularised window counts steps of 32 x 100.
-    rich = decide(RunLength(10_594_014, time_budget=TEN_MINUTES, tokens_per_step=1600, bptt=50), 14_000.0)
-    assert rich.regime == "data-rich" and rich.settings["bptt"] == 100
-    steps = rich.expected_epochs * 10_594_014 / 3200
+    # A data-rich run decided from a probe at a window of 100 counts steps of 32 x 50.
+    rich = decide(RunLength(10_594_014, time_budget=TEN_MINUTES, tokens_per_step=3200, bptt=100), 14_000.0)
+    assert rich.regime == "data-rich" and rich.settings["bptt"] == 50
+    steps = rich.expected_epochs * 10_594_014 / 1600
     every = rich.settings["eval_every"]
     assert steps / every <= defaults.EVALS_PER_RUN < steps / (every - 10)
 

@@ -19,21 +19,25 @@ trains on at least TOKENS_PER_PARAMETER (10) tokens per parameter (half Hoffmann
 
     E >= OVERFIT_EPOCHS  "regularised": z_c 0.1, z_h 0.05 (the fused zoneout cell),
                          reset-prob 0.02, Adam 5e-3 decayed by a cosine over the run,
-                         bptt 50 (twice the updates for the same text)
+                         bptt 25
     E <  OVERFIT_EPOCHS  "data-rich":   zoneout 0 (torch's LSTM kernel, faster), reset-prob
-                         0.02, Adam 4e-3 cosine, bptt 100
+                         0.02, Adam 4e-3 cosine, bptt 50
     no length            "open":        the cpu-small preset unchanged (it may run for
                                         many epochs, so it is regularised)
-
-OVERFIT_EPOCHS is 10: a cosine-decayed plain 1x384 LSTM was still improving after 7.8
-passes over 2M characters of Russian quotations (valid 1.965 against zoneout's 2.029 at
-the same budget), while on tiny Shakespeare at 12-14 passes zoneout won.
 
 where a time budget buys budget x (1 - VALIDATION_SHARE) x tokens/s, measured by
 `probe_tokens_per_s` (about 2 s of training steps on this machine, before the clock
 starts). Both regimes keep --reset-prob 0.02: without it, a cosine-decayed plain LSTM on
 11.8M characters of prose reached train BPC 1.96 but valid 2.87, because evaluation
 starts its streams from a zero state the model had never learnt to start from.
+
+Short windows give more updates for the same text at a little less speed: bptt 50 rather
+than 100 won in both regimes on every corpus of the benchmark, and when regularising
+(many passes, compute-bound) bptt 25 won again on tiny Shakespeare (README "Recipes").
+
+OVERFIT_EPOCHS is 10: a cosine-decayed plain 1x384 LSTM was still improving after 7.8
+passes over 2M characters of Russian quotations (valid 1.965 against zoneout's 2.029 at
+the same budget), while on tiny Shakespeare at 12-14 passes zoneout won.
 
 With a length, validation runs about EVALS_PER_RUN times (--eval-every). Explicit options
 win over every choice. The choice is made once: it is written to config.json
@@ -69,9 +73,9 @@ PROBE_HIDDEN = 512  # the size whose speed the probe measures (unless --hidden i
 # The settings of each regime besides the size: {config field: value}, as `configure` takes them.
 REGIMES: dict[str, dict] = {
     "regularised": dict(layers=1, embed=64, zoneout_cell=0.1, zoneout_hidden=0.05, reset_prob=0.02,
-                        lr=5e-3, schedule="cosine", bptt=50),
+                        lr=5e-3, schedule="cosine", bptt=25),
     "data-rich": dict(layers=1, embed=64, zoneout_cell=0.0, zoneout_hidden=0.0, reset_prob=0.02,
-                      lr=4e-3, schedule="cosine", bptt=100),
+                      lr=4e-3, schedule="cosine", bptt=50),
     "open": {},
 }
 
