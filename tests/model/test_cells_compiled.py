@@ -13,7 +13,7 @@ import pytest
 import torch
 from cell_cases import NAMES, cell_inputs, cell_outputs
 
-from zlm.model.cells import choose_cell, cpu_ext
+from zlm.model.cells import choose_cell, cpu_ext, packed_gemm
 from zlm.model.cells.compiled import make_compiled_cell
 from zlm.model.cells.packed_gemm import clear_cache
 from zlm.model.cells.reference import zoneout_lstm_reference
@@ -70,8 +70,13 @@ def test_gradcheck_float64(cell, masks):
 
 
 @pytest.mark.parametrize("masks", ["train", "eval", "off"])
-def test_bf16_autocast_within_2e2_of_fp32_reference(cell, masks):
-    """bf16 multiplies, fp32 state: outputs and gradients fp32, within 2e-2 relative."""
+@pytest.mark.parametrize("onednn", [True, False])
+def test_bf16_autocast_within_2e2_of_fp32_reference(cell, masks, onednn, monkeypatch):
+    """bf16 multiplies, fp32 state: outputs and gradients fp32, within 2e-2 relative - with
+    packed bf16 oneDNN weights (CPUs with native bf16) and with torch.mm (the others)."""
+    if onednn and not packed_gemm.ONEDNN_BF16:
+        pytest.skip("this CPU has no native bf16: oneDNN packs no bf16 weights")
+    monkeypatch.setattr(packed_gemm, "ONEDNN_BF16", onednn)
     args, keeps = cell_inputs(20, 8, 16, 64, torch.float32, masks)
     want = cell_outputs(zoneout_lstm_reference, args, keeps)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -150,22 +155,29 @@ def test_chooser_picks_the_compiled_step(cell):
 
 @pytest.mark.parametrize("masks", ["train", "eval"])
 @pytest.mark.parametrize("grad", [True, False])
-def test_time_loop_in_cpp_equals_the_python_loop(masks, grad):
-    """forward_window (the fp32 time loop in C++) runs the same oneDNN operator and the
-    same element-wise step as the Python loop: identical outputs and gradients."""
+@pytest.mark.parametrize("bf16", [False, True])
+def test_time_loop_in_cpp_equals_the_python_loop(masks, grad, bf16):
+    """forward_window and backward_window (the time loops in C++, fp32 or bf16 multiplies)
+    run the same oneDNN operators and the same element-wise steps as the Python loops:
+    identical outputs and gradients."""
+    import contextlib
     import types
 
     ext = cpu_ext.load_extension()
     if ext is None or not hasattr(ext, "forward_window"):
         pytest.skip("no compiled step here")
+    if bf16 and not packed_gemm.ONEDNN_BF16:
+        pytest.skip("this CPU has no native bf16: the bf16 loop stays in Python")
     python_loop = make_compiled_cell(types.SimpleNamespace(forward_step=ext.forward_step,
                                                            backward_step=ext.backward_step))
     args, keeps = cell_inputs(9, 4, 6, 16, torch.float32, masks)
-    if grad:
-        got, want = cell_outputs(make_compiled_cell(ext), args, keeps), cell_outputs(python_loop, args, keeps)
-    else:
-        with torch.no_grad():
-            plain = [a.detach() for a in args]
-            got, want = make_compiled_cell(ext)(*plain, *keeps), python_loop(*plain, *keeps)
+    precision = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+    with precision:
+        if grad:
+            got, want = cell_outputs(make_compiled_cell(ext), args, keeps), cell_outputs(python_loop, args, keeps)
+        else:
+            with torch.no_grad():
+                plain = [a.detach() for a in args]
+                got, want = make_compiled_cell(ext)(*plain, *keeps), python_loop(*plain, *keeps)
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)

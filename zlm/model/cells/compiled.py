@@ -11,10 +11,11 @@ Per window (haste's layout, on the CPU):
   activations -> c~, h~ -> both zoneout mixes, in one pass over memory;
 - backward: per step one C++ call (all element-wise work of the step, in one pass) and
   one recurrent multiply; dW_ih, dW_hh, db and dx are one multiply or reduction each.
-- in fp32 with oneDNN the time loops themselves run in C++ (`forward_window`,
-  `backward_window`: the same operator calls and element-wise steps in the same order,
-  so the same numbers as the Python loops, without the interpreter's cost per step);
-  bf16 and fp64 keep the Python loops.
+- with oneDNN-packed recurrent weights (fp32; bf16 where the CPU has native bf16) the
+  time loops themselves run in C++ (`forward_window`, `backward_window`: the same
+  operator calls and element-wise steps in the same order, so the same numbers as the
+  Python loops, without the interpreter's cost per step); fp64, and bf16 on other CPUs
+  (`torch.mm`), keep the Python loops.
 
 Precision: under `torch.autocast("cpu", dtype=torch.bfloat16)` every matrix multiply
 (input projection, recurrence, weight gradients, dx) runs in bf16 with fp32 accumulation
@@ -36,7 +37,7 @@ import torch
 from torch import Tensor
 
 from zlm.model.cells.masks import Keep
-from zlm.model.cells.packed_gemm import recurrent_gemm
+from zlm.model.cells.packed_gemm import backend_for, recurrent_gemm
 from zlm.model.cells.workspace import take_workspace
 
 BF16 = torch.bfloat16
@@ -45,11 +46,12 @@ BF16 = torch.bfloat16
 class StepWorkspace:
     """Buffers of one window of one layer (forward and backward), reused across windows.
 
-    gates: (T, B, 4H) input projection, then the activations i, f, g, o per step.
+    gates: (T, B, 4H) input projection (fp32 only), then the activations i, f, g, o per step.
+    xp_lp: (T, B, 4H) the input projection in bf16 (bf16 only: the step reads it as is).
     c: (T+1, B, H) zoned cell state, c[0] = c0.   tc: (T, B, H) tanh(c~_t).
     h_lp: (T+1, B, H) bf16 copies of h_prev (h0, y_0 .. y_{T-1}) for bf16 multiplies.
     dgates: (T, B, 4H) gradient of the pre-activations, in the compute dtype.
-    carry, dc: (B, H) gradients carried through time; rec: (B, 4H) or (B, H) scratch.
+    carry, dc: (B, H) gradients carried through time; pre: (B, 4H) scratch (fp32 addmm path).
     """
 
     lp = False  # whether the matrix multiplies run in bf16
@@ -61,11 +63,10 @@ class StepWorkspace:
         self.c = torch.empty(T + 1, B, H, **kw)
         self.tc = torch.empty(T, B, H, **kw)
         self.h_lp = torch.empty(T + 1, B, H, dtype=BF16, device=device) if self.lp else None
-        self.rec = torch.empty(B, 4 * H, dtype=cd, device=device)
+        self.xp_lp = torch.empty(T, B, 4 * H, dtype=BF16, device=device) if self.lp else None
         self.pre = torch.empty(B, 4 * H, **kw)
         self.dgates = torch.empty(T, B, 4 * H, dtype=cd, device=device)
         self.carry, self.dc = torch.empty(B, H, **kw), torch.empty(B, H, **kw)
-        self.drec = torch.empty(B, H, dtype=cd, device=device)
 
 
 class StepWorkspaceBF16(StepWorkspace):
@@ -85,6 +86,19 @@ def _transpose(w: Tensor) -> tuple[Tensor, None]:
     return w.t(), None
 
 
+def _bf16(w: Tensor) -> tuple[Tensor, None]:
+    return w.to(BF16), None
+
+
+def _bf16_transpose(w: Tensor) -> tuple[Tensor, None]:
+    return w.t().to(BF16), None
+
+
+def _in_cpp(ext, gemm, name: str) -> bool:
+    """Whether the window's time loop runs in C++: packed oneDNN weights and a build with it."""
+    return gemm.backend == "onednn" and hasattr(ext, name)
+
+
 def _forward(ext, x, h0, c0, w_ih, w_hh, bias, keep_c: Keep, keep_h: Keep, lp: bool, save: bool):
     """Run the window without autograd. Returns y (T, B, H) (fresh) and the workspace.
 
@@ -95,9 +109,9 @@ def _forward(ext, x, h0, c0, w_ih, w_hh, bias, keep_c: Keep, keep_h: Keep, lp: b
     ws = take_workspace(StepWorkspaceBF16 if lp else StepWorkspace, T, B, H, x.dtype, x.device)
     gates, c, tc = ws.gates, ws.c, ws.tc
     xs = x.reshape(T * B, -1)
-    if lp:  # (T*B, 4H) in bf16, then fp32 for the step
-        gates.view(T * B, 4 * H).copy_(torch.addmm(bias.to(BF16), xs.to(BF16), w_ih.to(BF16).t()))
-        w_rec = w_hh.to(BF16).t()  # (H, 4H)
+    if lp:  # (T*B, 4H) in bf16, read as is by the step (into a pooled buffer: no page faults)
+        torch.addmm(bias.to(BF16), xs.to(BF16), w_ih.to(BF16).t(), out=ws.xp_lp.view(T * B, 4 * H))
+        gemm = recurrent_gemm((w_hh,), B, "c16", _bf16, cache=not save, backend=backend_for(BF16, x.device))
         ws.h_lp[0].copy_(h0)
     else:
         torch.addmm(bias, xs, w_ih.t(), out=gates.view(T * B, 4 * H))
@@ -105,14 +119,14 @@ def _forward(ext, x, h0, c0, w_ih, w_hh, bias, keep_c: Keep, keep_h: Keep, lp: b
     y_all = torch.empty(T + 1, B, H, dtype=x.dtype, device=x.device)  # returned: never pooled
     y_all[0].copy_(h0)
     c[0].copy_(c0)
-    if not lp and gemm.backend == "onednn" and hasattr(ext, "forward_window"):  # the loop in C++
+    if _in_cpp(ext, gemm, "forward_window"):
         kc, zc = _keep_args(keep_c, slice(None))
         kh, zh = _keep_args(keep_h, slice(None))
-        ext.forward_window(gates, gemm.packed, y_all, c, tc, kc, zc, kh, zh, save)
+        ext.forward_window(gates, gemm.packed, y_all, c, tc, kc, zc, kh, zh, save, ws.h_lp, ws.xp_lp)
         return y_all, ws
     for t in range(T):
         if lp:
-            xp, rec = gates[t], torch.mm(ws.h_lp[t], w_rec, out=ws.rec)  # rec (B, 4H) bf16
+            xp, rec = ws.xp_lp[t], gemm.mm(ws.h_lp[t])  # both (B, 4H) bf16
         else:
             xp, rec = gemm.add(y_all[t], gates[t], ws.pre), None  # (B, 4H) = xW + b + hW
         kc, zc = _keep_args(keep_c, t)
@@ -129,11 +143,11 @@ def _backward(ext, ws, w_hh, keep_c, keep_h, dy, dh_T, dc_T, lp: bool):
     carry, dc, dgates = ws.carry, ws.dc, ws.dgates
     carry.zero_() if dh_T is None else carry.copy_(dh_T)
     dc.zero_() if dc_T is None else dc.copy_(dc_T)
-    if lp:
-        w_rec = w_hh.to(BF16)  # (4H, H): dpre @ W_hh
+    if lp:  # dpre (B, 4H) @ W_hh -> (B, H), in bf16
+        gemm = recurrent_gemm((w_hh,), B, "T16", _bf16_transpose, backend=backend_for(BF16, w_hh.device))
     else:
-        gemm = recurrent_gemm((w_hh,), B, "T", _transpose)  # dpre (B, 4H) @ W_hh -> (B, H)
-    if not lp and gemm.backend == "onednn" and hasattr(ext, "backward_window"):  # the loop in C++
+        gemm = recurrent_gemm((w_hh,), B, "T", _transpose)
+    if _in_cpp(ext, gemm, "backward_window"):
         kc, zc = _keep_args(keep_c, slice(None))
         kh, zh = _keep_args(keep_h, slice(None))
         rec = ext.backward_window(ws.gates, ws.tc, ws.c, kc, zc, kh, zh, dy, carry, dc, dgates, gemm.packed)
@@ -144,7 +158,7 @@ def _backward(ext, ws, w_hh, keep_c, keep_h, dy, dh_T, dc_T, lp: bool):
         kh, zh = _keep_args(keep_h, t)
         ext.backward_step(ws.gates[t], ws.tc[t], ws.c[t], kc, zc, kh, zh,
                           None if dy is None else dy[t], carry, rec, dc, dgates[t])
-        rec = torch.mm(dgates[t], w_rec, out=ws.drec) if lp else gemm.mm(dgates[t])
+        rec = gemm.mm(dgates[t])
     return carry + rec, dc.clone()
 
 

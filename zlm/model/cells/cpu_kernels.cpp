@@ -5,14 +5,15 @@
 // Training and windows: the recurrent matrix multiplies stay in torch (oneDNN/MKL);
 // forward_step and backward_step do everything else of one timestep in one pass over
 // memory, vectorised over the hidden units and split over the batch rows with
-// at::parallel_for; in fp32 their time loops (forward_window, backward_window) run here too.
+// at::parallel_for; with oneDNN-packed weights (fp32, or bf16 on CPUs with native bf16) their
+// time loops (forward_window, backward_window) run here too.
 // Single-token decoding (`zlm sample`): the `Decoder` class does the whole step,
 // matrix-vector products included, in one call, and `draw` picks the next tokens.
 //
 // Shapes (B batch rows, H units; gate blocks i, f, g, o as in torch.nn.LSTM):
-//   xp   (B, 4H) S   input projection of this step, bias included
+//   xp   (B, 4H) S, or bf16 with a bf16 rec   input projection of this step, bias included
 //   rec  (B, 4H) S or bf16, optional   h_prev W_hh^T (added to xp here)
-//   acts (B, 4H) S   out: i, f, g, o after their activations (g = tanh); may alias xp
+//   acts (B, 4H) S   out: i, f, g, o after their activations (g = tanh); may alias an S xp
 //   c_prev, h_prev (B, H) S; kc, kh (B, H) S keep masks, or absent: the floats zc, zh
 //   c_out (B, H) S zoned c;  tc_out (B, H) S tanh(c~) (scratch when not saved);  y_out (B, H) S zoned h
 //   y_lp (B, H) bf16, optional: a bf16 copy of y for the next bf16 matrix multiply
@@ -108,23 +109,25 @@ struct Rows {
   const T* row(int64_t b) const { return p + b * stride; }
 };
 
-// R: type of the recurrent part (S, or uint16_t = bf16); with bf16 a bf16 copy of y is written.
+// X, R: types of the input projection and of the recurrent part (S, or uint16_t = bf16);
+// with a bf16 R a bf16 copy of y is written.
 // Store = false (inference windows): the activations and tanh(c~), kept only for a
 // backward, are not written.
-template <typename S, typename R, bool Store = true>
-void forward_rows(int64_t r0, int64_t r1, int64_t H, const S* xp, const Rows<R>& rec, S* acts,
+template <typename S, typename X, typename R, bool Store = true>
+void forward_rows(int64_t r0, int64_t r1, int64_t H, const X* xp, const Rows<R>& rec, S* acts,
                   const S* c_prev, const S* h_prev, const Rows<S>& kc, const Rows<S>& kh, S* c_out,
                   S* tc_out, S* y_out, uint16_t* y_lp) {
   for (int64_t b = r0; b < r1; ++b) {
     const int64_t g0 = b * 4 * H, s0 = b * H;
-    const S* x = xp + g0;
+    const X* x = xp + g0;
     const R* r = rec.row(b);
     const S *kcr = kc.row(b), *khr = kh.row(b);
     S* a = acts + g0;
 #pragma omp simd
     for (int64_t j = 0; j < H; ++j) {
-      const S pi = x[j] + load<S>(r, j), pf = x[H + j] + load<S>(r, H + j);
-      const S pg = x[2 * H + j] + load<S>(r, 2 * H + j), po = x[3 * H + j] + load<S>(r, 3 * H + j);
+      const S pi = load<S>(x, j) + load<S>(r, j), pf = load<S>(x, H + j) + load<S>(r, H + j);
+      const S pg = load<S>(x, 2 * H + j) + load<S>(r, 2 * H + j);
+      const S po = load<S>(x, 3 * H + j) + load<S>(r, 3 * H + j);
       const S i = sigm(pi), f = sigm(pf), g = tanh_(pg), o = sigm(po);
       const S cp = c_prev[s0 + j], hp = h_prev[s0 + j];
       const S ct = f * cp + i * g;
@@ -190,7 +193,7 @@ void backward_rows(int64_t r0, int64_t r1, int64_t H, const S* acts, const S* tc
   }
 }
 
-template <typename S, typename R, bool Store = true>
+template <typename S, typename X, typename R, bool Store = true>
 void forward_typed(const at::Tensor& xp, const c10::optional<at::Tensor>& rec, const at::Tensor& acts,
                    const at::Tensor& c_prev, const at::Tensor& h_prev, const c10::optional<at::Tensor>& kc,
                    double zc, const c10::optional<at::Tensor>& kh, double zh, const at::Tensor& c_out,
@@ -200,7 +203,7 @@ void forward_typed(const at::Tensor& xp, const c10::optional<at::Tensor>& rec, c
   const Rows<S> kc_rows(kc, H, static_cast<S>(zc)), kh_rows(kh, H, static_cast<S>(zh));
   uint16_t* lp = given(y_lp) ? reinterpret_cast<uint16_t*>(y_lp->data_ptr()) : nullptr;
   at::parallel_for(0, B, grain_rows(H), [&](int64_t r0, int64_t r1) {
-    forward_rows<S, R, Store>(r0, r1, H, xp.data_ptr<S>(), rec_rows, acts.data_ptr<S>(), c_prev.data_ptr<S>(),
+    forward_rows<S, X, R, Store>(r0, r1, H, reinterpret_cast<const X*>(xp.data_ptr()), rec_rows, acts.data_ptr<S>(), c_prev.data_ptr<S>(),
                        h_prev.data_ptr<S>(), kc_rows, kh_rows, c_out.data_ptr<S>(), tc_out.data_ptr<S>(),
                        y_out.data_ptr<S>(), lp);
   });
@@ -227,16 +230,19 @@ void forward_step(const at::Tensor& xp, const c10::optional<at::Tensor>& rec, co
                   const at::Tensor& c_prev, const at::Tensor& h_prev, const c10::optional<at::Tensor>& kc,
                   double zc, const c10::optional<at::Tensor>& kh, double zh, const at::Tensor& c_out,
                   const at::Tensor& tc_out, const at::Tensor& y_out, const c10::optional<at::Tensor>& y_lp) {
-  TORCH_CHECK(xp.dtype() == c_prev.dtype(), "forward_step: xp and state dtypes differ");
   const bool lp = given(y_lp);
   TORCH_CHECK(!given(rec) || (rec->scalar_type() == at::kBFloat16) == lp, "forward_step: bf16 rec <=> y_lp");
-  if (xp.scalar_type() == at::kDouble) {
+  const bool xp_lp = xp.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(xp_lp ? lp : xp.dtype() == c_prev.dtype(),
+              "forward_step: xp bf16 (only with y_lp) or the state dtype");
+  if (c_prev.scalar_type() == at::kDouble) {
     TORCH_CHECK(!lp, "forward_step: no bf16 with fp64 state");
-    forward_typed<double, double>(xp, rec, acts, c_prev, h_prev, kc, zc, kh, zh, c_out, tc_out, y_out, y_lp);
+    forward_typed<double, double, double>(xp, rec, acts, c_prev, h_prev, kc, zc, kh, zh, c_out, tc_out, y_out, y_lp);
   } else {
-    TORCH_CHECK(xp.scalar_type() == at::kFloat, "forward_step: fp32 or fp64 state");
-    if (lp) forward_typed<float, uint16_t>(xp, rec, acts, c_prev, h_prev, kc, zc, kh, zh, c_out, tc_out, y_out, y_lp);
-    else forward_typed<float, float>(xp, rec, acts, c_prev, h_prev, kc, zc, kh, zh, c_out, tc_out, y_out, y_lp);
+    TORCH_CHECK(c_prev.scalar_type() == at::kFloat, "forward_step: fp32 or fp64 state");
+    if (xp_lp) forward_typed<float, uint16_t, uint16_t>(xp, rec, acts, c_prev, h_prev, kc, zc, kh, zh, c_out, tc_out, y_out, y_lp);
+    else if (lp) forward_typed<float, float, uint16_t>(xp, rec, acts, c_prev, h_prev, kc, zc, kh, zh, c_out, tc_out, y_out, y_lp);
+    else forward_typed<float, float, float>(xp, rec, acts, c_prev, h_prev, kc, zc, kh, zh, c_out, tc_out, y_out, y_lp);
   }
 }
 
@@ -257,36 +263,62 @@ void backward_step(const at::Tensor& acts, const at::Tensor& tc, const at::Tenso
 }
 
 
-// The time loop of a window's forward for fp32 with the recurrent weight packed by oneDNN
-// (zlm/model/cells/packed_gemm.py): per step pre = gates[t] + y[t] W_hh^T in one oneDNN
-// call (the same operator the Python loop calls), then forward_step's element-wise work.
-// Moving the loop here saves the interpreter's per-step cost (two calls, six views).
-//   gates (T, B, 4H): in, x W_ih^T + b; out, the activations.  y (T+1, B, H): y[0] = h0.
+// The time loop of a window's forward with the recurrent weight packed by oneDNN
+// (zlm/model/cells/packed_gemm.py); moving the loop here saves the interpreter's per-step
+// cost (two calls, six views). fp32 (y_lp absent): per step pre = gates[t] + y[t] W_hh^T in
+// one oneDNN call (the same operator the Python loop calls), then forward_step's
+// element-wise work. bf16 (y_lp and xp_lp given, W_hh packed in bf16): per step
+// rec = y_lp[t] W_hh^T in bf16 (fp32 accumulation inside oneDNN), then the element-wise step
+// adds xp_lp[t] and rec in fp32, writes the activations to gates[t], y[t+1] and its bf16
+// copy y_lp[t+1].
+//   gates (T, B, 4H): fp32: in, x W_ih^T + b; out, the activations (bf16: out only).
+//   xp_lp (T, B, 4H) bf16: x W_ih^T + b (bf16 only).  y (T+1, B, H): y[0] = h0.
+//   y_lp (T+1, B, H) bf16, y_lp[0] = h0: bf16 copies of y.
 //   c (T+1, B, H): c[0] = c0.  tc (T, B, H).  kc, kh (T, B, H) masks, or the floats zc, zh.
 //   save = false (no backward follows): the activations and tc are not written.
 void forward_window(const at::Tensor& gates, const at::Tensor& w_packed, const at::Tensor& y, const at::Tensor& c,
                     const at::Tensor& tc, const c10::optional<at::Tensor>& kc, double zc,
-                    const c10::optional<at::Tensor>& kh, double zh, bool save) {
+                    const c10::optional<at::Tensor>& kh, double zh, bool save,
+                    const c10::optional<at::Tensor>& y_lp, const c10::optional<at::Tensor>& xp_lp) {
   static auto linear_add = c10::Dispatcher::singleton()
                                .findSchemaOrThrow("mkldnn::_linear_pointwise", "binary")
                                .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                  const c10::optional<at::Tensor>&, c10::string_view)>();
-  TORCH_CHECK(gates.scalar_type() == at::kFloat && y.scalar_type() == at::kFloat, "forward_window: fp32");
+  static auto linear = c10::Dispatcher::singleton()
+                           .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
+                                             c10::string_view, c10::List<c10::optional<at::Scalar>>,
+                                             c10::optional<c10::string_view>)>();
+  TORCH_CHECK(gates.scalar_type() == at::kFloat && y.scalar_type() == at::kFloat, "forward_window: fp32 state");
+  const bool lp = given(y_lp);
+  TORCH_CHECK(!lp || (y_lp->scalar_type() == at::kBFloat16 && given(xp_lp) && xp_lp->scalar_type() == at::kBFloat16),
+              "forward_window: y_lp and xp_lp bf16 together");
   const int64_t T = gates.size(0);
   const c10::optional<at::Tensor> none;
   for (int64_t t = 0; t < T; ++t) {
     const at::Tensor g = gates[t], yt = y[t];
-    const at::Tensor pre = linear_add.call(yt, g, w_packed, none, "add");
     const c10::optional<at::Tensor> kct = given(kc) ? c10::optional<at::Tensor>((*kc)[t]) : none;
     const c10::optional<at::Tensor> kht = given(kh) ? c10::optional<at::Tensor>((*kh)[t]) : none;
-    if (save) forward_typed<float, float, true>(pre, none, g, c[t], yt, kct, zc, kht, zh, c[t + 1], tc[t], y[t + 1], none);
-    else forward_typed<float, float, false>(pre, none, g, c[t], yt, kct, zc, kht, zh, c[t + 1], tc[t], y[t + 1], none);
+    if (lp) {
+      const c10::optional<at::Tensor> rec =
+          linear.call((*y_lp)[t], w_packed, none, "none", c10::List<c10::optional<at::Scalar>>(), c10::nullopt);
+      const c10::optional<at::Tensor> out_lp((*y_lp)[t + 1]);
+      const at::Tensor xp = (*xp_lp)[t];
+      if (save) forward_typed<float, uint16_t, uint16_t, true>(xp, rec, g, c[t], yt, kct, zc, kht, zh, c[t + 1], tc[t], y[t + 1], out_lp);
+      else forward_typed<float, uint16_t, uint16_t, false>(xp, rec, g, c[t], yt, kct, zc, kht, zh, c[t + 1], tc[t], y[t + 1], out_lp);
+      continue;
+    }
+    const at::Tensor pre = linear_add.call(yt, g, w_packed, none, "add");
+    if (save) forward_typed<float, float, float, true>(pre, none, g, c[t], yt, kct, zc, kht, zh, c[t + 1], tc[t], y[t + 1], none);
+    else forward_typed<float, float, float, false>(pre, none, g, c[t], yt, kct, zc, kht, zh, c[t + 1], tc[t], y[t + 1], none);
   }
 }
 
-// The backward time loop for fp32 with W_hh^T packed by oneDNN: per step (from T-1 down)
-// backward_step's element-wise work, then rec = dpre W_hh in one oneDNN call. Returns the
-// last rec (B, H), the gradient reaching h0 through W_hh (the caller adds carry).
+// The backward time loop with W_hh^T packed by oneDNN: per step (from T-1 down)
+// backward_step's element-wise work, then rec = dpre W_hh in one oneDNN call. fp32, or bf16
+// when dgates is bf16 (W_hh^T packed in bf16; rec and dpre bf16, the state gradients
+// carry and dc fp32). Returns the last rec (B, H), the gradient reaching h0 through W_hh
+// (the caller adds carry).
 at::Tensor backward_window(const at::Tensor& acts, const at::Tensor& tc, const at::Tensor& c,
                            const c10::optional<at::Tensor>& kc, double zc, const c10::optional<at::Tensor>& kh,
                            double zh, const c10::optional<at::Tensor>& dy, const at::Tensor& carry,
@@ -296,7 +328,9 @@ at::Tensor backward_window(const at::Tensor& acts, const at::Tensor& tc, const a
                            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
                                              c10::string_view, c10::List<c10::optional<at::Scalar>>,
                                              c10::optional<c10::string_view>)>();
-  TORCH_CHECK(acts.scalar_type() == at::kFloat && dgates.scalar_type() == at::kFloat, "backward_window: fp32");
+  const bool lp = dgates.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(acts.scalar_type() == at::kFloat && (lp || dgates.scalar_type() == at::kFloat),
+              "backward_window: fp32 state, fp32 or bf16 dgates");
   const int64_t T = acts.size(0);
   const c10::optional<at::Tensor> none;
   c10::optional<at::Tensor> rec;
@@ -306,7 +340,8 @@ at::Tensor backward_window(const at::Tensor& acts, const at::Tensor& tc, const a
     const c10::optional<at::Tensor> kht = given(kh) ? c10::optional<at::Tensor>((*kh)[t]) : none;
     const c10::optional<at::Tensor> dyt = given(dy) ? c10::optional<at::Tensor>((*dy)[t]) : none;
     const at::Tensor d = dgates[t];
-    backward_typed<float, float>(acts[t], tc[t], c[t], kct, zc, kht, zh, dyt, carry, rec, dc, d);
+    if (lp) backward_typed<float, uint16_t>(acts[t], tc[t], c[t], kct, zc, kht, zh, dyt, carry, rec, dc, d);
+    else backward_typed<float, float>(acts[t], tc[t], c[t], kct, zc, kht, zh, dyt, carry, rec, dc, d);
     last = linear.call(d, w_packed, none, "none", c10::List<c10::optional<at::Scalar>>(), c10::nullopt);
     rec = last;
   }
@@ -564,8 +599,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "zlm: the element-wise step of the zoneout LSTM cell (CPU)";
   m.def("forward_step", &forward_step, "one timestep forward, in place into the given buffers");
   m.def("backward_step", &backward_step, "one timestep backward, in place into the given buffers");
-  m.def("forward_window", &forward_window, "a window's forward time loop (fp32, packed oneDNN weight)");
-  m.def("backward_window", &backward_window, "a window's backward time loop (fp32, packed oneDNN weight)");
+  m.def("forward_window", &forward_window, "a window's forward time loop (fp32 or bf16 multiplies, packed oneDNN weight)");
+  m.def("backward_window", &backward_window, "a window's backward time loop (fp32 or bf16 multiplies, packed oneDNN weight)");
   m.def("draw", &draw, "one token per row by inverse CDF (sampling)");
   pybind11::class_<Decoder>(m, "Decoder")
       .def(pybind11::init<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>, at::Tensor, at::Tensor,

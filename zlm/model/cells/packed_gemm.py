@@ -6,7 +6,10 @@ a 2-core AVX-512 machine (torch 2.13, fp32), oneDNN with the weight reordered ("
 once into its blocked layout ran these shapes 1.4-2.3x faster per call than
 `torch.addmm` into a preallocated output (MKL), and it can fuse the addition of the input
 projection into the same call. oneDNN here takes fp32 (not fp64), so anything else - fp64,
-CUDA tensors, a torch without oneDNN - uses `torch.addmm`.
+CUDA tensors, a torch without oneDNN - uses `torch.addmm`. In bf16 (CPU autocast) the
+weight is packed in bf16 where the CPU has native bf16 (AVX512-BF16 or AMX): measured on a
+2-core AMD EPYC with AVX512-BF16, B 32 x H 512 took 85 us per product against 109 for
+`torch.mm` in bf16 (B 32 x H 1000: 308 against 625).
 
 One exception, measured too: oneDNN splits even a batch-1 product over all threads, and
 when another process holds a core each call can wait milliseconds for the descheduled
@@ -40,12 +43,22 @@ def _onednn_ready() -> bool:
     return torch.backends.mkldnn.is_available()
 
 
+def _onednn_bf16_ready() -> bool:
+    """Whether oneDNN runs bf16 natively here (AVX512-BF16 or AMX): packed bf16 weights."""
+    try:
+        return ONEDNN and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 ONEDNN = _onednn_ready()
+ONEDNN_BF16 = _onednn_bf16_ready()
 
 
 def backend_for(dtype: torch.dtype, device: torch.device) -> str:
-    """'onednn' (packed weights) for fp32 on CPU when available, else 'addmm'."""
-    if ONEDNN and device.type == "cpu" and dtype == torch.float32:
+    """'onednn' (packed weights) on the CPU for fp32 when available and for bf16 where the
+    CPU has native bf16 (elsewhere oneDNN has no bf16 kernels), else 'addmm'."""
+    if device.type == "cpu" and ((dtype == torch.float32 and ONEDNN) or (dtype == torch.bfloat16 and ONEDNN_BF16)):
         return "onednn"
     return "addmm"
 
