@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from zlm.model.cells.masks import draw_keep
@@ -98,6 +99,28 @@ def test_masks_are_bernoulli_per_unit_step_example():
     assert abs(keep.mean().item() - 0.3) < 0.01
     assert not torch.equal(keep[0], keep[1]) and not torch.equal(keep[:, 0], keep[:, 1])
     assert draw_keep(0.3, (2, 2, 2), False, dtype=torch.float32, device="cpu") == 0.3
+
+
+@pytest.mark.parametrize("z", [0.05, 0.5, 0.9])
+def test_mask_draw_16_bit_lanes_are_each_bernoulli_z(z):
+    # four elements come from each int64 draw: every lane (position mod 4) must keep at rate z
+    keep = draw_keep(z, (1000, 40, 101), True, dtype=torch.float32, device="cpu")
+    lanes = keep.flatten()[: 4 * (keep.numel() // 4)].view(-1, 4).mean(0)
+    torch.testing.assert_close(lanes, torch.full((4,), z), atol=2e-3, rtol=0)
+    pairs = keep.flatten()[:-1] * keep.flatten()[1:]  # neighbours independent
+    assert abs(pairs.mean().item() - z * z) < 2e-3
+
+
+def test_mask_draw_reproducible_from_the_generator_state_any_shape_and_dtype():
+    g = torch.Generator().manual_seed(3)
+    state = g.get_state()
+    a = draw_keep(0.5, (3, 5, 7), True, dtype=torch.bfloat16, device="cpu", generator=g)
+    g.set_state(state)
+    b = draw_keep(0.5, (3, 5, 7), True, dtype=torch.bfloat16, device="cpu", generator=g)
+    assert a.dtype == torch.bfloat16 and a.shape == (3, 5, 7) and torch.equal(a, b)
+    c = draw_keep(0.5, (3, 5, 7), True, dtype=torch.bfloat16, device="cpu", generator=g)
+    assert not torch.equal(a, c)
+    assert torch.equal(draw_keep(1.0, (2, 3, 4), True, dtype=torch.float64, device="cpu"), torch.ones(2, 3, 4, dtype=torch.float64))
 
 
 def test_layer_init_forget_bias_and_orthogonal():
