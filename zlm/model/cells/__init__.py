@@ -56,9 +56,10 @@ def _fused_for(device: torch.device, on_event: Callable[[str], None] | None = No
         from zlm.model.cells.fused import zoneout_lstm_fused
     except ImportError as e:
         return None, f"the CPU fused cell could not be imported ({e})", "python"
-    from zlm.model.cells.packed_gemm import ONEDNN
+    from zlm.model.cells.packed_gemm import ONEDNN, ONEDNN_BF16
 
-    gemm = "oneDNN packed weights for fp32" if ONEDNN else "addmm (no oneDNN in this torch)"
+    gemm = ("oneDNN packed weights for fp32" + (" and bf16" if ONEDNN_BF16 else "")) if ONEDNN \
+        else "addmm (no oneDNN in this torch)"
     if kernel == "python":
         return zoneout_lstm_fused, f"fused CPU cell in Python (as this run was started; per-step GEMM: {gemm})", "python"
     compiled, why = _compiled_cpu_cell(on_event)

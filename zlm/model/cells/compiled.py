@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from zlm.model.cells.masks import Keep
-from zlm.model.cells.packed_gemm import backend_for, recurrent_gemm
+from zlm.model.cells.packed_gemm import backend_for, mm_nt, recurrent_gemm
 from zlm.model.cells.workspace import take_workspace
 
 BF16 = torch.bfloat16
@@ -52,6 +52,9 @@ class StepWorkspace:
     h_lp: (T+1, B, H) bf16 copies of h_prev (h0, y_0 .. y_{T-1}) for bf16 multiplies.
     dgates: (T, B, 4H) gradient of the pre-activations, in the compute dtype.
     carry, dc: (B, H) gradients carried through time; pre: (B, 4H) scratch (fp32 addmm path).
+    dgates_t: (4H, T*B), h_t: (H, T*B) fp32 with oneDNN: dgates and h_prev transposed by
+    the C++ backward, step by step, for the weight-gradient products (`transposed` says
+    whether the last backward filled them).
     """
 
     lp = False  # whether the matrix multiplies run in bf16
@@ -67,6 +70,10 @@ class StepWorkspace:
         self.pre = torch.empty(B, 4 * H, **kw)
         self.dgates = torch.empty(T, B, 4 * H, dtype=cd, device=device)
         self.carry, self.dc = torch.empty(B, H, **kw), torch.empty(B, H, **kw)
+        fp32_onednn = not self.lp and dtype == torch.float32 and backend_for(dtype, torch.device(device)) == "onednn"
+        self.dgates_t = torch.empty(4 * H, T * B, **kw) if fp32_onednn else None
+        self.h_t = torch.empty(H, T * B, **kw) if fp32_onednn else None
+        self.transposed = False
 
 
 class StepWorkspaceBF16(StepWorkspace):
@@ -136,9 +143,10 @@ def _forward(ext, x, h0, c0, w_ih, w_hh, bias, keep_c: Keep, keep_h: Keep, lp: b
     return y_all, ws
 
 
-def _backward(ext, ws, w_hh, keep_c, keep_h, dy, dh_T, dc_T, lp: bool):
+def _backward(ext, ws, w_hh, y_all, keep_c, keep_h, dy, dh_T, dc_T, lp: bool):
     """Backward through time: fills ws.dgates (T, B, 4H) with the gradient of the gate
-    pre-activations and returns dh0, dc0 (B, H). dy (T, B, H), dh_T, dc_T may be None."""
+    pre-activations (and, where the workspace has them, ws.dgates_t and ws.h_t) and returns
+    dh0, dc0 (B, H). y_all (T+1, B, H): h0, y. dy (T, B, H), dh_T, dc_T may be None."""
     T, B, _ = ws.gates.shape
     carry, dc, dgates = ws.carry, ws.dc, ws.dgates
     carry.zero_() if dh_T is None else carry.copy_(dh_T)
@@ -147,10 +155,14 @@ def _backward(ext, ws, w_hh, keep_c, keep_h, dy, dh_T, dc_T, lp: bool):
         gemm = recurrent_gemm((w_hh,), B, "T16", _bf16_transpose, backend=backend_for(BF16, w_hh.device))
     else:
         gemm = recurrent_gemm((w_hh,), B, "T", _transpose)
+    ws.transposed = False
     if _in_cpp(ext, gemm, "backward_window"):
         kc, zc = _keep_args(keep_c, slice(None))
         kh, zh = _keep_args(keep_h, slice(None))
-        rec = ext.backward_window(ws.gates, ws.tc, ws.c, kc, zc, kh, zh, dy, carry, dc, dgates, gemm.packed)
+        ws.transposed = ws.dgates_t is not None
+        y = y_all if ws.transposed else None
+        rec = ext.backward_window(ws.gates, ws.tc, ws.c, kc, zc, kh, zh, dy, carry, dc, dgates, gemm.packed,
+                                  ws.dgates_t, y, ws.h_t if ws.transposed else None)
         return carry + rec, dc.clone()
     rec = None
     for t in range(T - 1, -1, -1):
@@ -187,17 +199,28 @@ class _Function(torch.autograd.Function):
         x, w_ih, w_hh, y_all = ctx.saved_tensors
         ws, lp, needs = ctx.ws, ctx.lp, ctx.needs_input_grad
         dy = None if dy is None else dy.contiguous()
-        dh0, dc0 = _backward(ctx.ext, ws, w_hh, *ctx.keeps, dy, dh_T, dc_T, lp)
-        T, B, H4 = ws.gates.shape
-        dpre = ws.dgates.view(T * B, H4)  # compute dtype
-        cd = dpre.dtype
-        hprev = (ws.h_lp if lp else y_all)[:-1].reshape(T * B, -1)  # (T*B, H): h0, y_0 .. y_{T-2}
-        dx = torch.mm(dpre, w_ih.to(cd)).view(T, B, -1).to(x.dtype) if needs[0] else None
-        dw_ih = torch.mm(dpre.t(), x.reshape(T * B, -1).to(cd)).to(w_ih.dtype) if needs[3] else None
-        dw_hh = torch.mm(dpre.t(), hprev).to(w_hh.dtype) if needs[4] else None
-        db = dpre.sum(0, dtype=x.dtype) if needs[5] else None
+        dh0, dc0 = _backward(ctx.ext, ws, w_hh, y_all, *ctx.keeps, dy, dh_T, dc_T, lp)
+        dx, dw_ih, dw_hh, db = _input_and_weight_grads(ws, x, w_ih, y_all, needs, lp)
         return (dx, dh0 if needs[1] else None, dc0 if needs[2] else None, dw_ih, dw_hh, db,
                 None, None, None, None)
+
+
+def _input_and_weight_grads(ws, x, w_ih, y_all, needs, lp: bool):
+    """dx (T, B, I), dW_ih, dW_hh, db from ws.dgates (None where not needed)."""
+    T, B, H4 = ws.gates.shape
+    dpre = ws.dgates.view(T * B, H4)  # compute dtype
+    xs = x.reshape(T * B, -1)
+    if ws.transposed:  # fp32, oneDNN on contiguous operands (see packed_gemm.mm_nt)
+        dx = mm_nt(dpre, w_ih.t().contiguous()).view(T, B, -1) if needs[0] else None
+        dw_ih = mm_nt(ws.dgates_t, xs.t().contiguous()) if needs[3] else None
+        dw_hh = mm_nt(ws.dgates_t, ws.h_t) if needs[4] else None
+        return dx, dw_ih, dw_hh, ws.dgates_t.sum(1) if needs[5] else None
+    cd = dpre.dtype
+    hprev = (ws.h_lp if lp else y_all)[:-1].reshape(T * B, -1)  # (T*B, H): h0, y_0 .. y_{T-2}
+    dx = torch.mm(dpre, w_ih.to(cd)).view(T, B, -1).to(x.dtype) if needs[0] else None
+    dw_ih = torch.mm(dpre.t(), xs.to(cd)).to(w_ih.dtype) if needs[3] else None
+    dw_hh = torch.mm(dpre.t(), hprev).to(w_ih.dtype) if needs[4] else None  # (weights share a dtype)
+    return dx, dw_ih, dw_hh, dpre.sum(0, dtype=x.dtype) if needs[5] else None
 
 
 def compute_lp(x: Tensor) -> bool:

@@ -263,6 +263,23 @@ void backward_step(const at::Tensor& acts, const at::Tensor& tc, const at::Tenso
 }
 
 
+// dst[j * ld + col0 + b] = src[b * cols + j] for a row-major (rows, cols) src: one step's
+// block written transposed into the (cols, ld) matrix of the window. Split over columns;
+// each thread walks 16 columns at a time so it fills 16 destination lines in step.
+void transpose_into(const float* src, int64_t rows, int64_t cols, float* dst, int64_t ld, int64_t col0) {
+  at::parallel_for(0, (cols + 15) / 16, std::max<int64_t>(1, 4096 / std::max<int64_t>(rows * 16, 1)),
+                   [&](int64_t q0, int64_t q1) {
+    for (int64_t q = q0; q < q1; ++q) {
+      const int64_t j0 = q * 16, j1 = std::min(cols, j0 + 16);
+      for (int64_t b = 0; b < rows; ++b) {
+        const float* s = src + b * cols;
+        float* d = dst + col0 + b;
+        for (int64_t j = j0; j < j1; ++j) d[j * ld] = s[j];
+      }
+    }
+  });
+}
+
 // The time loop of a window's forward with the recurrent weight packed by oneDNN
 // (zlm/model/cells/packed_gemm.py); moving the loop here saves the interpreter's per-step
 // cost (two calls, six views). fp32 (y_lp absent): per step pre = gates[t] + y[t] W_hh^T in
@@ -319,10 +336,15 @@ void forward_window(const at::Tensor& gates, const at::Tensor& w_packed, const a
 // when dgates is bf16 (W_hh^T packed in bf16; rec and dpre bf16, the state gradients
 // carry and dc fp32). Returns the last rec (B, H), the gradient reaching h0 through W_hh
 // (the caller adds carry).
+// fp32 only, optional: dgates_t (4H, T*B) and, from y (T+1, B, H), y_t (H, T*B) receive
+// each step's dpre and h_prev transposed while they are in cache, so the weight gradients
+// run as oneDNN products on contiguous operands (zlm/model/cells/compiled.py).
 at::Tensor backward_window(const at::Tensor& acts, const at::Tensor& tc, const at::Tensor& c,
                            const c10::optional<at::Tensor>& kc, double zc, const c10::optional<at::Tensor>& kh,
                            double zh, const c10::optional<at::Tensor>& dy, const at::Tensor& carry,
-                           const at::Tensor& dc, const at::Tensor& dgates, const at::Tensor& w_packed) {
+                           const at::Tensor& dc, const at::Tensor& dgates, const at::Tensor& w_packed,
+                           const c10::optional<at::Tensor>& dgates_t, const c10::optional<at::Tensor>& y,
+                           const c10::optional<at::Tensor>& y_t) {
   static auto linear = c10::Dispatcher::singleton()
                            .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
                            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
@@ -331,7 +353,9 @@ at::Tensor backward_window(const at::Tensor& acts, const at::Tensor& tc, const a
   const bool lp = dgates.scalar_type() == at::kBFloat16;
   TORCH_CHECK(acts.scalar_type() == at::kFloat && (lp || dgates.scalar_type() == at::kFloat),
               "backward_window: fp32 state, fp32 or bf16 dgates");
-  const int64_t T = acts.size(0);
+  const int64_t T = acts.size(0), B = acts.size(1);
+  TORCH_CHECK(!lp || (!given(dgates_t) && !given(y)), "backward_window: transposed copies are fp32 only");
+  TORCH_CHECK(given(y) == given(y_t), "backward_window: y and y_t together");
   const c10::optional<at::Tensor> none;
   c10::optional<at::Tensor> rec;
   at::Tensor last;
@@ -342,6 +366,8 @@ at::Tensor backward_window(const at::Tensor& acts, const at::Tensor& tc, const a
     const at::Tensor d = dgates[t];
     if (lp) backward_typed<float, uint16_t>(acts[t], tc[t], c[t], kct, zc, kht, zh, dyt, carry, rec, dc, d);
     else backward_typed<float, float>(acts[t], tc[t], c[t], kct, zc, kht, zh, dyt, carry, rec, dc, d);
+    if (given(dgates_t)) transpose_into(d.data_ptr<float>(), B, d.size(1), dgates_t->data_ptr<float>(), T * B, t * B);
+    if (given(y)) transpose_into((*y)[t].data_ptr<float>(), B, y->size(2), y_t->data_ptr<float>(), T * B, t * B);
     last = linear.call(d, w_packed, none, "none", c10::List<c10::optional<at::Scalar>>(), c10::nullopt);
     rec = last;
   }

@@ -100,6 +100,17 @@ class RecurrentGemm:
         return torch.addmm(self._bias, a, self._wt)
 
 
+def mm_nt(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b^T for contiguous fp32 CPU matrices a (M, K), b (N, K) -> (M, N), by oneDNN.
+
+    The weight gradients of a window (dW = dpre^T h_prev over T*B rows) are large products;
+    on an AMD CPU with AVX-512 oneDNN ran them about twice as fast as `torch.mm` (MKL):
+    measured, 2 cores, dW_hh of B 32 x T 100 x H 512 16 ms against 37 (H 1000: 77 against
+    192; B 128 x H 1000: 288 against 556) when both operands are already contiguous.
+    """
+    return torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
+
+
 Build = Callable[..., "tuple[Tensor, Tensor | None]"]
 _cache: dict[tuple, tuple] = {}
 _PROBE = 64  # elements of each source compared on every cache hit
