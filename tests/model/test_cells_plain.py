@@ -48,3 +48,40 @@ def test_plain_refuses_zoneout():
         lstm_plain(*x, 0.5, 0.0)
     with pytest.raises(ValueError, match="without zoneout"):
         lstm_plain(*x, torch.zeros(9, 3, 7), 0.0)
+
+
+def test_plain_runs_torchs_kernel_in_training_mode_when_a_backward_follows(monkeypatch):
+    """cuDNN refuses a backward through an LSTM run with train=False (a training run on a
+    GPU died on it): the cell passes train=True whenever gradients are recorded."""
+    seen = []
+    lstm = torch.lstm
+
+    def spy(*args):
+        seen.append(args[6])  # (input, hx, params, has_biases, layers, dropout, train, ...)
+        return lstm(*args)
+
+    monkeypatch.setattr(torch, "lstm", spy)
+    x = _inputs(torch.float32)
+    lstm_plain(*x, 0.0, 0.0)
+    with torch.no_grad():
+        lstm_plain(*x, 0.0, 0.0)
+    assert seen == [True, False]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_plain_on_cuda_trains_through_cudnn(dtype, monkeypatch):
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # fp32 parity is against full fp32
+    a = [t.detach().cuda().requires_grad_() for t in _inputs(torch.float32)]
+    b = _inputs(torch.float32)
+    with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+        out_a = lstm_plain(*a, 0.0, 0.0)
+    out_b = zoneout_lstm_reference(*b, 0.0, 0.0)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    for u, v in zip(out_a, out_b, strict=True):
+        torch.testing.assert_close(u.float().cpu(), v, rtol=tol, atol=tol)
+    sum(o.float().sum() for o in out_a).backward()
+    sum(o.sum() for o in out_b).backward()
+    for name, u, v in zip(("x", "h0", "c0", "weight_ih", "weight_hh", "bias"), a, b, strict=True):
+        torch.testing.assert_close(u.grad.cpu(), v.grad, rtol=tol, atol=tol, msg=name)

@@ -28,6 +28,9 @@ def lstm_plain(x: Tensor, h0: Tensor, c0: Tensor, weight_ih: Tensor, weight_hh: 
     if not zoneout_off(keep_c, keep_h):
         raise ValueError("the plain LSTM cell runs without zoneout only (z_c = z_h = 0)")
     no_bias = torch.zeros_like(bias)  # (4H,): b_hh; zlm's single bias is b_ih
+    # train: cuDNN keeps what its backward needs only in training mode (and refuses a
+    # backward otherwise); with no dropout the forward is the same either way.
+    train = torch.is_grad_enabled() and any(t.requires_grad for t in (x, h0, c0, weight_ih, weight_hh, bias))
     y, h, c = torch.lstm(x, (h0[None], c0[None]), [weight_ih, weight_hh, bias, no_bias],
-                         True, 1, 0.0, False, False, False)  # biases, layers, dropout, train, bidir, batch_first
+                         True, 1, 0.0, train, False, False)  # biases, layers, dropout, train, bidir, batch_first
     return y, h[0], c[0]
