@@ -26,6 +26,8 @@ from typing import Annotated
 
 import typer
 
+from zlm.core.allocator import keep_freed_memory
+
 app = typer.Typer(
     name="zlm",
     help="Character-level language models with zoneout LSTMs.",
@@ -93,4 +95,5 @@ def main() -> None:
     logger = logging.getLogger("zlm")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
+    keep_freed_memory()  # before the first large allocation (zlm/core/allocator.py)
     app()
