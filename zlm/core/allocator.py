@@ -15,7 +15,6 @@ The cost: a process keeps its peak heap until it exits.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import sys
 
@@ -31,8 +30,7 @@ def keep_freed_memory() -> bool:
     if any(name in os.environ for name in _USER_SETTINGS):
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        mallopt = ctypes.CDLL(None).mallopt  # the C library this process already runs on
     except (OSError, AttributeError):  # not glibc (musl has no mallopt)
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int

@@ -21,7 +21,7 @@ from zlm.core import checkpoint as ckpt
 from zlm.core.precision import precision_reason, resolve_precision
 from zlm.errors import CheckpointError
 from zlm.model.cells import KERNELS, CellChoice, choose_cell
-from zlm.model.cells.masks import MASK_DRAWS
+from zlm.model.cells.masks import MASK_DRAW, MASK_DRAWS
 from zlm.model.lm import ModelConfig
 from zlm.training.config import TrainConfig
 
@@ -33,7 +33,7 @@ class Resolved:
     precision: str  # fp32 | bf16 | fp16
     cell: str  # fused | reference | plain (what --cell asked for, resolved)
     kernel: str  # compiled | python | triton | reference | plain (the code that runs)
-    masks: str = "bits16"  # the zoneout mask draw (zlm.model.cells.masks.MASK_DRAWS)
+    masks: str = MASK_DRAW  # the zoneout mask draw (zlm.model.cells.masks.MASK_DRAWS)
     why: str = ""  # one line for the start display (not stored)
 
     def __post_init__(self):
@@ -52,7 +52,7 @@ def resolve_fresh(cfg: TrainConfig, model: ModelConfig, device: torch.device, on
     """Resolve `auto` on this machine (rank 0 does this for a new run)."""
     precision = resolve_precision(device, cfg.precision)
     cell = choose_cell(cfg.cell, device, on_event, zoneout=(model.zoneout_cell, model.zoneout_hidden))
-    return Resolved(precision, cell.name, cell.kernel, "bits16", precision_reason(device, precision, cfg.precision))
+    return Resolved(precision, cell.name, cell.kernel, MASK_DRAW, precision_reason(device, precision, cfg.precision))
 
 
 def stored(checkpoint: Path, device: torch.device) -> Resolved:

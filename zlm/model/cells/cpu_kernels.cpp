@@ -280,6 +280,17 @@ void transpose_into(const float* src, int64_t rows, int64_t cols, float* dst, in
   });
 }
 
+// a @ W^T for a oneDNN-packed W (zlm/model/cells/packed_gemm.py): the operator the Python
+// loops call (RecurrentGemm.mm), looked up once.
+at::Tensor packed_mm(const at::Tensor& a, const at::Tensor& w_packed) {
+  static auto linear = c10::Dispatcher::singleton()
+                           .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
+                                             c10::string_view, c10::List<c10::optional<at::Scalar>>,
+                                             c10::optional<c10::string_view>)>();
+  return linear.call(a, w_packed, c10::nullopt, "none", c10::List<c10::optional<at::Scalar>>(), c10::nullopt);
+}
+
 // The time loop of a window's forward with the recurrent weight packed by oneDNN
 // (zlm/model/cells/packed_gemm.py); moving the loop here saves the interpreter's per-step
 // cost (two calls, six views). fp32 (y_lp absent): per step pre = gates[t] + y[t] W_hh^T in
@@ -301,11 +312,6 @@ void forward_window(const at::Tensor& gates, const at::Tensor& w_packed, const a
                                .findSchemaOrThrow("mkldnn::_linear_pointwise", "binary")
                                .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                  const c10::optional<at::Tensor>&, c10::string_view)>();
-  static auto linear = c10::Dispatcher::singleton()
-                           .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
-                           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
-                                             c10::string_view, c10::List<c10::optional<at::Scalar>>,
-                                             c10::optional<c10::string_view>)>();
   TORCH_CHECK(gates.scalar_type() == at::kFloat && y.scalar_type() == at::kFloat, "forward_window: fp32 state");
   const bool lp = given(y_lp);
   TORCH_CHECK(!lp || (y_lp->scalar_type() == at::kBFloat16 && given(xp_lp) && xp_lp->scalar_type() == at::kBFloat16),
@@ -318,7 +324,7 @@ void forward_window(const at::Tensor& gates, const at::Tensor& w_packed, const a
     const c10::optional<at::Tensor> kht = given(kh) ? c10::optional<at::Tensor>((*kh)[t]) : none;
     if (lp) {
       const c10::optional<at::Tensor> rec =
-          linear.call((*y_lp)[t], w_packed, none, "none", c10::List<c10::optional<at::Scalar>>(), c10::nullopt);
+          packed_mm((*y_lp)[t], w_packed);
       const c10::optional<at::Tensor> out_lp((*y_lp)[t + 1]);
       const at::Tensor xp = (*xp_lp)[t];
       if (save) forward_typed<float, uint16_t, uint16_t, true>(xp, rec, g, c[t], yt, kct, zc, kht, zh, c[t + 1], tc[t], y[t + 1], out_lp);
@@ -345,11 +351,6 @@ at::Tensor backward_window(const at::Tensor& acts, const at::Tensor& tc, const a
                            const at::Tensor& dc, const at::Tensor& dgates, const at::Tensor& w_packed,
                            const c10::optional<at::Tensor>& dgates_t, const c10::optional<at::Tensor>& y,
                            const c10::optional<at::Tensor>& y_t) {
-  static auto linear = c10::Dispatcher::singleton()
-                           .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
-                           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
-                                             c10::string_view, c10::List<c10::optional<at::Scalar>>,
-                                             c10::optional<c10::string_view>)>();
   const bool lp = dgates.scalar_type() == at::kBFloat16;
   TORCH_CHECK(acts.scalar_type() == at::kFloat && (lp || dgates.scalar_type() == at::kFloat),
               "backward_window: fp32 state, fp32 or bf16 dgates");
@@ -368,7 +369,7 @@ at::Tensor backward_window(const at::Tensor& acts, const at::Tensor& tc, const a
     else backward_typed<float, float>(acts[t], tc[t], c[t], kct, zc, kht, zh, dyt, carry, rec, dc, d);
     if (given(dgates_t)) transpose_into(d.data_ptr<float>(), B, d.size(1), dgates_t->data_ptr<float>(), T * B, t * B);
     if (given(y)) transpose_into((*y)[t].data_ptr<float>(), B, y->size(2), y_t->data_ptr<float>(), T * B, t * B);
-    last = linear.call(d, w_packed, none, "none", c10::List<c10::optional<at::Scalar>>(), c10::nullopt);
+    last = packed_mm(d, w_packed);
     rec = last;
   }
   return last;

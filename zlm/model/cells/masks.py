@@ -27,6 +27,7 @@ Keep = Tensor | float
 # element) is what runs started before it drew, kept so that they resume bit for bit
 # (the run's config.json "resolved" block names the draw).
 MASK_DRAWS = ("bits16", "rand32")
+MASK_DRAW = MASK_DRAWS[0]  # what a new run draws
 
 
 def draw_keep(
@@ -37,7 +38,7 @@ def draw_keep(
     dtype: torch.dtype,
     device: torch.device | str,
     generator: torch.Generator | None = None,
-    draw: str = "bits16",
+    draw: str = MASK_DRAW,
 ) -> Keep:
     """The keep for one state of one layer over a window of shape (T, B, H)."""
     if not training or z == 0.0:
