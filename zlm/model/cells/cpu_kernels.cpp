@@ -92,21 +92,29 @@ inline bool given(const c10::optional<at::Tensor>& t) { return t.has_value() && 
 // A (B, n) row-major operand, or one constant row broadcast to every row (row stride 0):
 // the inner loops stay free of branches, so the compiler vectorises them.
 template <typename T>
-struct Rows {
+struct RowPtr {
   const T* p;
   int64_t stride;
+  const T* row(int64_t b) const { return p + b * stride; }
+};
+
+// The RowPtr of an optional tensor (its rows of n elements), or of `value` broadcast (the
+// filled row lives here). at(k): the same starting k elements further on, for step t of a
+// (T, B, n) tensor (k = t * B * n); a broadcast row stays put.
+template <typename T>
+struct Rows {
   std::vector<T> fill;
+  RowPtr<T> base;
   Rows(const c10::optional<at::Tensor>& t, int64_t n, T value) {
     if (given(t)) {
-      p = reinterpret_cast<const T*>(t->data_ptr());
-      stride = n;
+      base = {reinterpret_cast<const T*>(t->data_ptr()), n};
     } else {
       fill.assign(n, value);
-      p = fill.data();
-      stride = 0;
+      base = {fill.data(), 0};
     }
   }
-  const T* row(int64_t b) const { return p + b * stride; }
+  Rows(const Rows&) = delete;
+  RowPtr<T> at(int64_t k) const { return {base.p + (base.stride ? k : 0), base.stride}; }
 };
 
 // X, R: types of the input projection and of the recurrent part (S, or uint16_t = bf16);
@@ -114,8 +122,8 @@ struct Rows {
 // Store = false (inference windows): the activations and tanh(c~), kept only for a
 // backward, are not written.
 template <typename S, typename X, typename R, bool Store = true>
-void forward_rows(int64_t r0, int64_t r1, int64_t H, const X* xp, const Rows<R>& rec, S* acts,
-                  const S* c_prev, const S* h_prev, const Rows<S>& kc, const Rows<S>& kh, S* c_out,
+void forward_rows(int64_t r0, int64_t r1, int64_t H, const X* xp, RowPtr<R> rec, S* acts,
+                  const S* c_prev, const S* h_prev, RowPtr<S> kc, RowPtr<S> kh, S* c_out,
                   S* tc_out, S* y_out, uint16_t* y_lp) {
   for (int64_t b = r0; b < r1; ++b) {
     const int64_t g0 = b * 4 * H, s0 = b * H;
@@ -156,7 +164,7 @@ void forward_rows(int64_t r0, int64_t r1, int64_t H, const X* xp, const Rows<R>&
 // R: type of rec and of dpre (S, or uint16_t = bf16).
 template <typename S, typename R>
 void backward_rows(int64_t r0, int64_t r1, int64_t H, const S* acts, const S* tc, const S* c_prev,
-                   const Rows<S>& kc, const Rows<S>& kh, const Rows<S>& dy, S* carry, const Rows<R>& rec,
+                   RowPtr<S> kc, RowPtr<S> kh, RowPtr<S> dy, S* carry, RowPtr<R> rec,
                    S* dc, R* dpre) {
   for (int64_t b = r0; b < r1; ++b) {
     const int64_t g0 = b * 4 * H, s0 = b * H;
@@ -193,6 +201,26 @@ void backward_rows(int64_t r0, int64_t r1, int64_t H, const S* acts, const S* tc
   }
 }
 
+// One step over all B rows, split over the rows (pointers into contiguous buffers).
+template <typename S, typename X, typename R, bool Store = true>
+void forward_ptrs(int64_t B, int64_t H, const X* xp, RowPtr<R> rec, S* acts, const S* c_prev, const S* h_prev,
+                  RowPtr<S> kc, RowPtr<S> kh, S* c_out, S* tc_out, S* y_out, uint16_t* y_lp) {
+  at::parallel_for(0, B, grain_rows(H), [&](int64_t r0, int64_t r1) {
+    forward_rows<S, X, R, Store>(r0, r1, H, xp, rec, acts, c_prev, h_prev, kc, kh, c_out, tc_out, y_out, y_lp);
+  });
+}
+
+template <typename S, typename R>
+void backward_ptrs(int64_t B, int64_t H, const S* acts, const S* tc, const S* c_prev, RowPtr<S> kc,
+                   RowPtr<S> kh, RowPtr<S> dy, S* carry, RowPtr<R> rec, S* dc, R* dpre) {
+  at::parallel_for(0, B, grain_rows(H), [&](int64_t r0, int64_t r1) {
+    backward_rows<S, R>(r0, r1, H, acts, tc, c_prev, kc, kh, dy, carry, rec, dc, dpre);
+  });
+}
+
+template <typename T> T* ptr(const at::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
+template <typename T> T* ptr(const c10::optional<at::Tensor>& t) { return given(t) ? ptr<T>(*t) : nullptr; }
+
 template <typename S, typename X, typename R, bool Store = true>
 void forward_typed(const at::Tensor& xp, const c10::optional<at::Tensor>& rec, const at::Tensor& acts,
                    const at::Tensor& c_prev, const at::Tensor& h_prev, const c10::optional<at::Tensor>& kc,
@@ -201,12 +229,9 @@ void forward_typed(const at::Tensor& xp, const c10::optional<at::Tensor>& rec, c
   const int64_t B = c_prev.size(0), H = c_prev.size(1);
   const Rows<R> rec_rows(rec, 4 * H, R(0));
   const Rows<S> kc_rows(kc, H, static_cast<S>(zc)), kh_rows(kh, H, static_cast<S>(zh));
-  uint16_t* lp = given(y_lp) ? reinterpret_cast<uint16_t*>(y_lp->data_ptr()) : nullptr;
-  at::parallel_for(0, B, grain_rows(H), [&](int64_t r0, int64_t r1) {
-    forward_rows<S, X, R, Store>(r0, r1, H, reinterpret_cast<const X*>(xp.data_ptr()), rec_rows, acts.data_ptr<S>(), c_prev.data_ptr<S>(),
-                       h_prev.data_ptr<S>(), kc_rows, kh_rows, c_out.data_ptr<S>(), tc_out.data_ptr<S>(),
-                       y_out.data_ptr<S>(), lp);
-  });
+  forward_ptrs<S, X, R, Store>(B, H, ptr<const X>(xp), rec_rows.at(0), ptr<S>(acts), ptr<const S>(c_prev),
+                               ptr<const S>(h_prev), kc_rows.at(0), kh_rows.at(0), ptr<S>(c_out), ptr<S>(tc_out),
+                               ptr<S>(y_out), ptr<uint16_t>(y_lp));
 }
 
 template <typename S, typename R>
@@ -217,11 +242,8 @@ void backward_typed(const at::Tensor& acts, const at::Tensor& tc, const at::Tens
   const int64_t B = c_prev.size(0), H = c_prev.size(1);
   const Rows<R> rec_rows(rec, H, R(0));
   const Rows<S> kc_rows(kc, H, static_cast<S>(zc)), kh_rows(kh, H, static_cast<S>(zh)), dy_rows(dy, H, S(0));
-  R* d = reinterpret_cast<R*>(dpre.data_ptr());
-  at::parallel_for(0, B, grain_rows(H), [&](int64_t r0, int64_t r1) {
-    backward_rows<S, R>(r0, r1, H, acts.data_ptr<S>(), tc.data_ptr<S>(), c_prev.data_ptr<S>(), kc_rows,
-                        kh_rows, dy_rows, carry.data_ptr<S>(), rec_rows, dc.data_ptr<S>(), d);
-  });
+  backward_ptrs<S, R>(B, H, ptr<const S>(acts), ptr<const S>(tc), ptr<const S>(c_prev), kc_rows.at(0),
+                      kh_rows.at(0), dy_rows.at(0), ptr<S>(carry), rec_rows.at(0), ptr<S>(dc), ptr<R>(dpre));
 }
 
 // Every tensor contiguous; S = the state dtype (fp32 or fp64); bf16 (rec, y_lp, dpre) only
@@ -316,25 +338,45 @@ void forward_window(const at::Tensor& gates, const at::Tensor& w_packed, const a
   const bool lp = given(y_lp);
   TORCH_CHECK(!lp || (y_lp->scalar_type() == at::kBFloat16 && given(xp_lp) && xp_lp->scalar_type() == at::kBFloat16),
               "forward_window: y_lp and xp_lp bf16 together");
-  const int64_t T = gates.size(0);
+  const int64_t T = gates.size(0), B = gates.size(1), H = y.size(2);
   const c10::optional<at::Tensor> none;
-  for (int64_t t = 0; t < T; ++t) {
-    const at::Tensor g = gates[t], yt = y[t];
-    const c10::optional<at::Tensor> kct = given(kc) ? c10::optional<at::Tensor>((*kc)[t]) : none;
-    const c10::optional<at::Tensor> kht = given(kh) ? c10::optional<at::Tensor>((*kh)[t]) : none;
+  const Rows<float> kc_rows(kc, H, static_cast<float>(zc)), kh_rows(kh, H, static_cast<float>(zh));
+  const Rows<float> no_rec(none, 4 * H, 0.0f);  // fp32: the recurrent part is already in pre
+  float *g = ptr<float>(gates), *yp = ptr<float>(y), *cp = ptr<float>(c), *tcp = ptr<float>(tc);
+  const int64_t G = B * 4 * H, S = B * H;  // elements per step: gates, state
+  for (int64_t t = 0; t < T; ++t, g += G, yp += S, cp += S, tcp += S) {
+    const RowPtr<float> kct = kc_rows.at(t * S), kht = kh_rows.at(t * S);
     if (lp) {
-      const c10::optional<at::Tensor> rec =
-          packed_mm((*y_lp)[t], w_packed);
-      const c10::optional<at::Tensor> out_lp((*y_lp)[t + 1]);
-      const at::Tensor xp = (*xp_lp)[t];
-      if (save) forward_typed<float, uint16_t, uint16_t, true>(xp, rec, g, c[t], yt, kct, zc, kht, zh, c[t + 1], tc[t], y[t + 1], out_lp);
-      else forward_typed<float, uint16_t, uint16_t, false>(xp, rec, g, c[t], yt, kct, zc, kht, zh, c[t + 1], tc[t], y[t + 1], out_lp);
+      const at::Tensor rec = packed_mm((*y_lp)[t], w_packed);  // (B, 4H) bf16
+      const RowPtr<uint16_t> r{ptr<const uint16_t>(rec), 4 * H};
+      const uint16_t* xp = ptr<const uint16_t>(xp_lp) + t * G;
+      uint16_t* out_lp = ptr<uint16_t>(y_lp) + (t + 1) * S;
+      if (save) forward_ptrs<float, uint16_t, uint16_t, true>(B, H, xp, r, g, cp, yp, kct, kht, cp + S, tcp, yp + S, out_lp);
+      else forward_ptrs<float, uint16_t, uint16_t, false>(B, H, xp, r, g, cp, yp, kct, kht, cp + S, tcp, yp + S, out_lp);
       continue;
     }
-    const at::Tensor pre = linear_add.call(yt, g, w_packed, none, "add");
-    if (save) forward_typed<float, float, float, true>(pre, none, g, c[t], yt, kct, zc, kht, zh, c[t + 1], tc[t], y[t + 1], none);
-    else forward_typed<float, float, float, false>(pre, none, g, c[t], yt, kct, zc, kht, zh, c[t + 1], tc[t], y[t + 1], none);
+    const at::Tensor pre = linear_add.call(y[t], gates[t], w_packed, none, "add");  // (B, 4H)
+    if (save) forward_ptrs<float, float, float, true>(B, H, ptr<const float>(pre), no_rec.at(0), g, cp, yp, kct, kht, cp + S, tcp, yp + S, nullptr);
+    else forward_ptrs<float, float, float, false>(B, H, ptr<const float>(pre), no_rec.at(0), g, cp, yp, kct, kht, cp + S, tcp, yp + S, nullptr);
   }
+}
+
+// db[j] += sum over the B rows of d[b, j], d (B, N) fp32 or bf16: the bias gradient summed
+// step by step while d is in cache. Split over columns, each summed in row order (the
+// result does not depend on the thread count).
+template <typename R>
+void add_column_sums(const R* d, int64_t B, int64_t N, float* db) {
+  at::parallel_for(0, (N + 63) / 64, std::max<int64_t>(1, 4096 / std::max<int64_t>(B * 64, 1)),
+                   [&](int64_t q0, int64_t q1) {
+    for (int64_t q = q0; q < q1; ++q) {
+      const int64_t j0 = q * 64, j1 = std::min(N, j0 + 64);
+      for (int64_t b = 0; b < B; ++b) {
+        const R* row = d + b * N;
+#pragma omp simd
+        for (int64_t j = j0; j < j1; ++j) db[j] += load<float>(row, j);
+      }
+    }
+  });
 }
 
 // The backward time loop with W_hh^T packed by oneDNN: per step (from T-1 down)
@@ -345,32 +387,46 @@ void forward_window(const at::Tensor& gates, const at::Tensor& w_packed, const a
 // fp32 only, optional: dgates_t (4H, T*B) and, from y (T+1, B, H), y_t (H, T*B) receive
 // each step's dpre and h_prev transposed while they are in cache, so the weight gradients
 // run as oneDNN products on contiguous operands (zlm/model/cells/compiled.py).
+// Optional db (4H,) fp32: receives the bias gradient, the column sums of every step's dpre.
 at::Tensor backward_window(const at::Tensor& acts, const at::Tensor& tc, const at::Tensor& c,
                            const c10::optional<at::Tensor>& kc, double zc, const c10::optional<at::Tensor>& kh,
                            double zh, const c10::optional<at::Tensor>& dy, const at::Tensor& carry,
                            const at::Tensor& dc, const at::Tensor& dgates, const at::Tensor& w_packed,
                            const c10::optional<at::Tensor>& dgates_t, const c10::optional<at::Tensor>& y,
-                           const c10::optional<at::Tensor>& y_t) {
+                           const c10::optional<at::Tensor>& y_t, const c10::optional<at::Tensor>& db) {
   const bool lp = dgates.scalar_type() == at::kBFloat16;
   TORCH_CHECK(acts.scalar_type() == at::kFloat && (lp || dgates.scalar_type() == at::kFloat),
               "backward_window: fp32 state, fp32 or bf16 dgates");
-  const int64_t T = acts.size(0), B = acts.size(1);
+  const int64_t T = acts.size(0), B = acts.size(1), H = tc.size(2);
   TORCH_CHECK(!lp || (!given(dgates_t) && !given(y)), "backward_window: transposed copies are fp32 only");
   TORCH_CHECK(given(y) == given(y_t), "backward_window: y and y_t together");
+  TORCH_CHECK(!given(db) || (db->scalar_type() == at::kFloat && db->numel() == 4 * H), "backward_window: db (4H,) fp32");
+  const Rows<float> kc_rows(kc, H, static_cast<float>(zc)), kh_rows(kh, H, static_cast<float>(zh));
+  const Rows<float> dy_rows(dy, H, 0.0f);
+  const int64_t G = B * 4 * H, S = B * H;  // elements per step: gates, state
+  if (given(db)) db->zero_();
   const c10::optional<at::Tensor> none;
-  c10::optional<at::Tensor> rec;
+  const Rows<uint16_t> zero_lp(none, H, 0);  // rec of the last step: nothing came back yet
+  const Rows<float> zero_f(none, H, 0.0f);
   at::Tensor last;
   for (int64_t t = T - 1; t >= 0; --t) {
-    const c10::optional<at::Tensor> kct = given(kc) ? c10::optional<at::Tensor>((*kc)[t]) : none;
-    const c10::optional<at::Tensor> kht = given(kh) ? c10::optional<at::Tensor>((*kh)[t]) : none;
-    const c10::optional<at::Tensor> dyt = given(dy) ? c10::optional<at::Tensor>((*dy)[t]) : none;
+    const float *a = ptr<const float>(acts) + t * G, *tct = ptr<const float>(tc) + t * S;
+    const float* ct = ptr<const float>(c) + t * S;
+    const RowPtr<float> kct = kc_rows.at(t * S), kht = kh_rows.at(t * S), dyt = dy_rows.at(t * S);
     const at::Tensor d = dgates[t];
-    if (lp) backward_typed<float, uint16_t>(acts[t], tc[t], c[t], kct, zc, kht, zh, dyt, carry, rec, dc, d);
-    else backward_typed<float, float>(acts[t], tc[t], c[t], kct, zc, kht, zh, dyt, carry, rec, dc, d);
-    if (given(dgates_t)) transpose_into(d.data_ptr<float>(), B, d.size(1), dgates_t->data_ptr<float>(), T * B, t * B);
-    if (given(y)) transpose_into((*y)[t].data_ptr<float>(), B, y->size(2), y_t->data_ptr<float>(), T * B, t * B);
+    if (lp) {
+      const RowPtr<uint16_t> r = last.defined() ? RowPtr<uint16_t>{ptr<const uint16_t>(last), H} : zero_lp.at(0);
+      backward_ptrs<float, uint16_t>(B, H, a, tct, ct, kct, kht, dyt, ptr<float>(carry), r, ptr<float>(dc),
+                                     ptr<uint16_t>(d));
+      if (given(db)) add_column_sums(ptr<const uint16_t>(d), B, 4 * H, ptr<float>(db));
+    } else {
+      const RowPtr<float> r = last.defined() ? RowPtr<float>{ptr<const float>(last), H} : zero_f.at(0);
+      backward_ptrs<float, float>(B, H, a, tct, ct, kct, kht, dyt, ptr<float>(carry), r, ptr<float>(dc), ptr<float>(d));
+      if (given(db)) add_column_sums(ptr<const float>(d), B, 4 * H, ptr<float>(db));
+    }
+    if (given(dgates_t)) transpose_into(ptr<const float>(d), B, 4 * H, ptr<float>(dgates_t), T * B, t * B);
+    if (given(y)) transpose_into(ptr<const float>(y) + t * S, B, H, ptr<float>(y_t), T * B, t * B);
     last = packed_mm(d, w_packed);
-    rec = last;
   }
   return last;
 }
