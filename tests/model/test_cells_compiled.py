@@ -187,3 +187,51 @@ def test_time_loop_in_cpp_equals_the_python_loop(masks, grad, bf16):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
         else:
             assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_window_large_enough_for_the_packed_input_projection(cell, bf16, monkeypatch):
+    """T*B >= 2048 rows: the input projection runs as one packed oneDNN product (smaller
+    windows use addmm); both agree with the reference (1e-5 fp32, 2e-2 relative in bf16).
+    The weight and bias gradients sum 2048 rows here (|db| ~ 76): 1e-5 relative for them."""
+    from zlm.model.cells import compiled
+
+    if not packed_gemm.ONEDNN or (bf16 and not packed_gemm.ONEDNN_BF16):
+        pytest.skip("no oneDNN (bf16) here: the projection is addmm")
+    tags = []
+    real = compiled.recurrent_gemm
+    monkeypatch.setattr(compiled, "recurrent_gemm", lambda *a, **k: tags.append(a[2]) or real(*a, **k))
+    args, keeps = cell_inputs(64, 32, 8, 16, torch.float32, "train")
+    want = cell_outputs(zoneout_lstm_reference, args, keeps)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        got = cell_outputs(cell, args, keeps)
+    assert ("x16" if bf16 else "x") in tags
+    for name, a, b in zip(NAMES, got, want, strict=True):
+        if bf16:
+            rel = ((a - b).norm() / b.norm()).item()
+            assert rel < BF16_REL, f"{name}: {rel:.3g}"
+        else:
+            rtol = 1e-5 if name in ("dW_ih", "dW_hh", "db") else 0.0
+            torch.testing.assert_close(a, b, rtol=rtol, atol=TOL[torch.float32], msg=name)
+
+
+def test_bf16_pair_rounds_as_torch_and_transposes():
+    """The C++ conversion of W_hh for bf16 windows: the same bits as torch's .to(bf16)
+    (round to nearest even; NaN stays NaN), and its transpose, for odd shapes too."""
+    ext = cpu_ext.load_extension()
+    if ext is None or not hasattr(ext, "bf16_pair"):
+        pytest.skip("no compiled step here")
+    g = torch.Generator().manual_seed(0)
+    for n, k in ((2048, 512), (37, 45), (1, 1)):
+        w = torch.randn(n, k, generator=g) * 10.0 ** torch.randint(-30, 30, (n, k), generator=g)
+        w.view(-1)[:4] = torch.tensor([float("inf"), -float("inf"), 3.4e38, -0.0])[: w.numel()]
+        w.view(-1)[-1] = 1.0 + 2.0**-8  # a tie: rounds to even (1.0)
+        if w.numel() > 5:
+            w.view(-1)[4] = float("nan")
+        out, out_t = torch.empty(n, k, dtype=torch.bfloat16), torch.empty(k, n, dtype=torch.bfloat16)
+        ext.bf16_pair(w, out, out_t)
+        want = w.to(torch.bfloat16)
+        nan = w.isnan()
+        assert torch.equal(out.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
+        assert out[nan].isnan().all()
+        assert torch.equal(out_t.view(torch.int16), out.t().contiguous().view(torch.int16))

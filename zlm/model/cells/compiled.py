@@ -78,6 +78,7 @@ class StepWorkspace:
         self.h_t = torch.empty(H, T * B, **kw) if fp32_onednn else None
         self.transposed = False
         self.db = None
+        self.w16t = None  # bf16 windows with a backward: W_hh^T in bf16 (C++ bf16_pair)
 
 
 class StepWorkspaceBF16(StepWorkspace):
@@ -99,6 +100,11 @@ def _transpose(w: Tensor) -> tuple[Tensor, None]:
 
 def _bf16(w: Tensor) -> tuple[Tensor, None]:
     return w.to(BF16), None
+
+
+def _given(w16: Tensor):
+    """A build returning a weight already converted (by the C++ `bf16_pair`)."""
+    return lambda w: (w16, None)
 
 
 def _bf16_transpose(w: Tensor) -> tuple[Tensor, None]:
@@ -156,7 +162,13 @@ def _forward(ext, x, h0, c0, w_ih, w_hh, bias, keep_c: Keep, keep_h: Keep, lp: b
     gates, c, tc = ws.gates, ws.c, ws.tc
     xs = x.reshape(T * B, -1)
     if lp:  # (T*B, 4H) in bf16, read as is by the step
-        gemm = recurrent_gemm((w_hh,), B, "c16", _bf16, cache=not save, backend=backend_for(BF16, x.device))
+        build, ws.w16t = _bf16, None
+        if save and hasattr(ext, "bf16_pair"):  # both bf16 copies of W_hh in one pass, the backward's kept
+            w16 = torch.empty(w_hh.shape, dtype=BF16)
+            ws.w16t = torch.empty(w_hh.shape[::-1], dtype=BF16)
+            ext.bf16_pair(w_hh.detach().contiguous(), w16, ws.w16t)
+            build = _given(w16)
+        gemm = recurrent_gemm((w_hh,), B, "c16", build, cache=not save, backend=backend_for(BF16, x.device))
         ws.xp_lp = _input_projection(xs.to(BF16), w_ih, bias, ws.xp_lp, gemm.backend, save, lp)
         ws.h_lp[0].copy_(h0)
     else:
@@ -191,7 +203,8 @@ def _backward(ext, ws, w_hh, y_all, keep_c, keep_h, dy, dh_T, dc_T, lp: bool):
     carry.zero_() if dh_T is None else carry.copy_(dh_T)
     dc.zero_() if dc_T is None else dc.copy_(dc_T)
     if lp:  # dpre (B, 4H) @ W_hh -> (B, H), in bf16
-        gemm = recurrent_gemm((w_hh,), B, "T16", _bf16_transpose, backend=backend_for(BF16, w_hh.device))
+        build = _bf16_transpose if ws.w16t is None else _given(ws.w16t)
+        gemm = recurrent_gemm((w_hh,), B, "T16", build, backend=backend_for(BF16, w_hh.device))
     else:
         gemm = recurrent_gemm((w_hh,), B, "T", _transpose)
     ws.transposed, ws.db = False, None
