@@ -113,3 +113,14 @@ def test_cuda_without_gpu_is_one_line_error():
 def test_bad_option_is_usage_error():
     result = CliRunner().invoke(app, ["bench", "--hidden", "0"])
     assert result.exit_code == 2 and "--hidden" in result.output
+
+
+def test_ratio_is_taken_within_rounds_so_drift_cancels():
+    """The machine slowed 4x during round 3, between nn.LSTM's run and the fused cell's: the
+    ratio of the medians would say 4.4, the median of the rounds' ratios says 1.1."""
+    from zlm.tools.bench import round_ratio
+
+    bar = [1.0, 1.0, 1.0, 4.0, 4.0]
+    fused = [1.1, 1.1, 4.4, 4.4, 4.4]
+    assert round_ratio(fused, bar) == pytest.approx(1.1)
+    assert round_ratio(bar, bar) == 1.0

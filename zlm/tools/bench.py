@@ -258,7 +258,9 @@ def measure(cfg: BenchConfig, phases: tuple[str, ...] = ("train", "infer")) -> l
 
     Returns one row per (phase, implementation): the size, `chars_per_s` (median over
     rounds) and `ratio_to_lstm`, the time per character relative to nn.LSTM in this run
-    (lower is faster; nn.LSTM is 1.0).
+    (lower is faster; nn.LSTM is 1.0): the median over rounds of the ratio within each round,
+    where the two ran back to back, so a machine whose speed drifts between rounds (shared
+    CPUs: 2x within minutes was seen) shifts both sides of a ratio alike.
     """
     device = resolve_device(cfg.device)
     impls = IMPLS + ((GRAPHED,) if device.type == "cuda" and phases != ("sample",) else ())
@@ -284,13 +286,19 @@ def measure(cfg: BenchConfig, phases: tuple[str, ...] = ("train", "infer")) -> l
     if phases == ("sample",):
         size.update(batch_size=1, bptt=1)
     for phase in phases:
-        bar = statistics.median(seconds[("nn.LSTM", phase)])
+        bar = seconds[("nn.LSTM", phase)]
         for impl in _impls_for(phase, impls):
             s = statistics.median(seconds[(impl, phase)])
-            rows.append(dict(size, phase=phase, impl=impl, chars_per_s=1.0 / s, ratio_to_lstm=s / bar))
+            ratio = round_ratio(seconds[(impl, phase)], bar)
+            rows.append(dict(size, phase=phase, impl=impl, chars_per_s=1.0 / s, ratio_to_lstm=ratio))
             if phase == "model" and impl == "fused":
                 rows[-1]["mask_draw_share"] = statistics.median(seconds[("fused", "masks")]) / s
     return rows
+
+
+def round_ratio(times: list[float], bar: list[float]) -> float:
+    """The median over rounds of times[r] / bar[r]: each round's two timings ran back to back."""
+    return statistics.median(a / b for a, b in zip(times, bar, strict=True))
 
 
 _METHOD = {"model": "model_step"}  # phase -> _Runner method where the names differ
