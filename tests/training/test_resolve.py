@@ -34,7 +34,7 @@ def test_a_fresh_run_stores_what_auto_became(tiny_data, tmp_path):
     want = resolve.resolve_fresh(TrainConfig(device="cpu"), ModelConfig(vocab_size=5, zoneout_cell=0.2), CPU)
     assert config["resolved"] == want.to_dict()
     assert config["resolved"]["cell"] == "fused" and config["resolved"]["kernel"] in ("compiled", "python")
-    assert config["resolved"]["masks"] == "bits16"
+    assert config["resolved"]["masks"] == "mix16"
     ck = sorted((tmp_path / "run" / "checkpoints").iterdir())[-1]
     assert json.loads((ck / "config.json").read_text())["resolved"] == config["resolved"]
 
@@ -77,6 +77,20 @@ def test_a_run_stored_before_the_16_bit_mask_draw_keeps_fp32_uniforms(tiny_data,
     g = torch.Generator().manual_seed(5)
     legacy = draw_keep(0.3, (4, 3, 2), True, dtype=torch.float32, device="cpu", generator=g, draw="rand32")
     assert torch.equal(legacy, (torch.rand(4, 3, 2, generator=g.manual_seed(5)) < 0.3).float())
+
+
+def test_a_run_stored_with_the_bits16_draw_keeps_it(tiny_data, tmp_path, monkeypatch):
+    """Runs of zlm 0.2 named "bits16" in their block: resumed, they draw it again (the
+    generator's state then reproduces their masks bit for bit)."""
+    data = Dataset.open(tiny_data)
+    mc, tc = _cfgs(data)
+    monkeypatch.setattr(resolve, "MASK_DRAW", "bits16")  # as zlm 0.2 resolved a fresh run
+    train(tmp_path / "run", data, mc, tc)
+    monkeypatch.undo()
+    ck = sorted((tmp_path / "run" / "checkpoints").iterdir())[-1]
+    assert json.loads((ck / "config.json").read_text())["resolved"]["masks"] == "bits16"
+    trainer = Trainer(tmp_path / "run", data, mc, TrainConfig(**{**tc.to_dict(), "max_steps": 4}), resume=True)
+    assert [layer.mask_draw for layer in trainer.model.layers] == ["bits16"]
 
 
 def test_auto_runs_torchs_lstm_kernel_without_zoneout(tiny_data, tmp_path):

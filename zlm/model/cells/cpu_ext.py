@@ -135,6 +135,11 @@ def load_extension(on_event: Callable[[str], None] | None = None):
     return None
 
 
+def loaded():
+    """The module if `load_extension` already loaded it, else None; never builds."""
+    return _state.get("module")
+
+
 def unavailable_reason() -> str | None:
     """Why `load_extension` returned None (None if it loaded or was not tried)."""
     return _state.get("reason")

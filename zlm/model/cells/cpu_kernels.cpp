@@ -678,6 +678,49 @@ struct Decoder {
   }
 };
 
+// ---------------------------------------------------------------- zoneout masks ("mix16")
+// The keep mask of zlm/model/cells/masks.py's "mix16" draw, n elements into out (fp32 or
+// fp64, contiguous): word i (i = 0, 1, ...) is splitmix64's output for the state
+// seed + (i + 1) * 0x9E3779B97F4A7C15; element k is kept (1) when the signed 16-bit lane
+// k % 4 of word k / 4 (lane 0 = the low bits) lies below `below` (= level - 2^15), else 0.
+// The same bits as the torch expression in masks.py, which runs where this does not.
+inline uint64_t splitmix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+template <typename S>
+void mask_words(uint64_t seed, int64_t below, int64_t w0, int64_t w1, int64_t n, S* out) {
+  const int64_t full = std::min(w1, n / 4);  // words whose four lanes are all inside
+#pragma omp simd
+  for (int64_t w = w0; w < full; ++w) {
+    const uint64_t z = splitmix64(seed + static_cast<uint64_t>(w + 1) * 0x9E3779B97F4A7C15ull);
+    for (int l = 0; l < 4; ++l) {
+      const int16_t r = static_cast<int16_t>(static_cast<uint16_t>(z >> (16 * l)));
+      out[4 * w + l] = r < below ? S(1) : S(0);
+    }
+  }
+  for (int64_t w = std::max(w0, full); w < w1; ++w) {  // the last, partial word
+    const uint64_t z = splitmix64(seed + static_cast<uint64_t>(w + 1) * 0x9E3779B97F4A7C15ull);
+    for (int64_t k = 4 * w; k < std::min(n, 4 * w + 4); ++k) {
+      const int16_t r = static_cast<int16_t>(static_cast<uint16_t>(z >> (16 * (k - 4 * w))));
+      out[k] = r < below ? S(1) : S(0);
+    }
+  }
+}
+
+void draw_mask(int64_t seed, int64_t below, const at::Tensor& out) {
+  TORCH_CHECK(out.is_contiguous() && (out.scalar_type() == at::kFloat || out.scalar_type() == at::kDouble),
+              "draw_mask: out contiguous fp32 or fp64");
+  const int64_t n = out.numel(), words = (n + 3) / 4;
+  const uint64_t s = static_cast<uint64_t>(seed);
+  at::parallel_for(0, words, 16384, [&](int64_t w0, int64_t w1) {
+    if (out.scalar_type() == at::kFloat) mask_words<float>(s, below, w0, w1, n, ptr<float>(out));
+    else mask_words<double>(s, below, w0, w1, n, ptr<double>(out));
+  });
+}
+
 // One token per row by inverse CDF, for sampling. x (B, V) fp32: logits (log = true: the
 // weights are exp((x - max) * inv_t), a softmax at temperature 1/inv_t) or probabilities
 // (log = false: the weights are x; zeros are never drawn). u (B,) fp64 uniforms in [0, 1).
@@ -727,6 +770,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward_window", &forward_window, "a window's forward time loop (fp32 or bf16 multiplies, packed oneDNN weight)");
   m.def("backward_window", &backward_window, "a window's backward time loop (fp32 or bf16 multiplies, packed oneDNN weight)");
   m.def("bf16_pair", &bf16_pair, "fp32 (N, K) -> bf16 (N, K) and its transpose (K, N), in one pass");
+  m.def("draw_mask", &draw_mask, "a zoneout keep mask of the mix16 draw (masks.py)");
   m.def("draw", &draw, "one token per row by inverse CDF (sampling)");
   pybind11::class_<Decoder>(m, "Decoder")
       .def(pybind11::init<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>, at::Tensor, at::Tensor,

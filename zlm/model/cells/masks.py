@@ -7,11 +7,17 @@ A "keep" is the probability of keeping the previous state value at a step:
 Masks come from the torch RNG of the device (or the generator given), so seeding and
 saving that RNG state makes training, and resuming it, reproducible.
 
-The draw uses 16 random bits per element, not a 32-bit float uniform: one full-range
-int64 draw gives four elements, each kept when its int16 lies below a threshold, so
-P(keep) = round(z * 2^16) / 2^16, within 7.7e-6 of z. Measured (2 cores, (100, 32, 512),
-torch 2.13): 2.3 ms against 8.1 ms for `torch.rand(shape) < z`; with bf16 matmuls the
-old draw was 12-28% of a whole training step (`zlm bench`'s mask_draw_share).
+The draw uses 16 random bits per element, not a 32-bit float uniform: one 64-bit word gives
+four elements, each kept when its int16 lies below a threshold, so
+P(keep) = round(z * 2^16) / 2^16, within 7.7e-6 of z. The words ("mix16", since zlm 0.3)
+are splitmix64's outputs for a counter started at ONE full-range int64 drawn from the
+torch generator: the generator's state still decides every mask (seeding and saving it
+makes a run reproducible), and the words come from a counter-based hash, which the C++
+extension computes and writes as the 0/1 mask in one pass (the same bits as the torch
+expression below, which runs without the extension and on CUDA). Measured (2 cores,
+(100, 32, 512), fp32): 0.5 ms a mask against 2.2 ms for "bits16" (a torch `random_` word
+per four elements, then `lt`) and 8.1 ms for "rand32" (`torch.rand(shape) < z`);
+with bf16 matmuls the masks had been 4-8% of a whole training step.
 """
 
 from __future__ import annotations
@@ -21,13 +27,19 @@ import math
 import torch
 from torch import Tensor
 
+from zlm.model.cells import cpu_ext
+
 Keep = Tensor | float
 
-# How a training mask is drawn. "bits16" since zlm 0.2; "rand32" (one fp32 uniform per
-# element) is what runs started before it drew, kept so that they resume bit for bit
-# (the run's config.json "resolved" block names the draw).
-MASK_DRAWS = ("bits16", "rand32")
+# How a training mask is drawn. "mix16" since zlm 0.3; "bits16" (zlm 0.2: torch random_
+# words) and "rand32" (one fp32 uniform per element, before) are what runs started earlier
+# drew, kept so that they resume bit for bit (the run's config.json "resolved" block names
+# the draw).
+MASK_DRAWS = ("mix16", "bits16", "rand32")
 MASK_DRAW = MASK_DRAWS[0]  # what a new run draws
+
+_GAMMA = 0x9E3779B97F4A7C15  # splitmix64's increment and mixing constants
+_MIX = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
 
 
 def draw_keep(
@@ -46,16 +58,46 @@ def draw_keep(
     if draw == "rand32":
         u = torch.rand(shape, device=device, generator=generator)  # (T, B, H) fp32 uniforms
         return (u < z).to(dtype)
-    if draw != "bits16":
+    if draw not in MASK_DRAWS:
         raise ValueError(f"unknown mask draw {draw!r}; one of {MASK_DRAWS}")
     level = round(z * 65536)  # keep iff a uniform 16-bit draw is below this many of 2^16
     if level >= 65536:
         return torch.ones(shape, dtype=dtype, device=device)
     n = math.prod(shape)
-    bits = torch.empty((n + 3) // 4, dtype=torch.int64, device=device)
-    bits.random_(-(2**63), None, generator=generator)  # every one of the 64 bits uniform
-    r16 = bits.view(torch.int16)[:n].view(shape)  # (T, B, H) uniform on [-2^15, 2^15)
-    return torch.lt(r16, level - 32768, out=torch.empty(shape, dtype=dtype, device=device))
+    out = torch.empty(shape, dtype=dtype, device=device)
+    # a word per four elements, every one of its 64 bits uniform
+    words = torch.empty((n + 3) // 4, dtype=torch.int64, device=device)
+    if draw == "bits16":
+        words.random_(-(2**63), None, generator=generator)
+    else:  # mix16: the generator gives the seed only
+        seed = words[:1].random_(-(2**63), None, generator=generator).clone()
+        ext = cpu_ext.loaded()
+        if ext is not None and out.device.type == "cpu" and dtype in (torch.float32, torch.float64):
+            ext.draw_mask(int(seed), level - 32768, out)  # the same bits, written as the mask
+            return out
+        words = mix_words(seed, words.numel())
+    r16 = words.view(torch.int16)[:n].view(shape)  # (T, B, H) uniform on [-2^15, 2^15)
+    return torch.lt(r16, level - 32768, out=out)
+
+
+def _signed(v: int) -> int:
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+def _shift_right(z: Tensor, k: int) -> Tensor:
+    """Logical shift of int64 words (torch's >> is arithmetic)."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def mix_words(seed: Tensor, count: int) -> Tensor:
+    """splitmix64's outputs for the states seed + i * GAMMA, i = 1 .. count: (count,) int64.
+
+    int64 arithmetic wraps modulo 2^64 in torch (CPU and CUDA), as the C++ uint64 does.
+    """
+    z = seed + torch.arange(1, count + 1, dtype=torch.int64, device=seed.device) * _signed(_GAMMA)
+    z = (z ^ _shift_right(z, 30)) * _signed(_MIX[0])
+    z = (z ^ _shift_right(z, 27)) * _signed(_MIX[1])
+    return z ^ _shift_right(z, 31)
 
 
 def keep_at(keep: Keep, t: int) -> Keep:
