@@ -285,19 +285,25 @@ void backward_step(const at::Tensor& acts, const at::Tensor& tc, const at::Tenso
 }
 
 
-// dst[j * ld + col0 + b] = src[b * cols + j] for a row-major (rows, cols) src: one step's
-// block written transposed into the (cols, ld) matrix of the window. Split over columns;
-// each thread walks 16 columns at a time so it fills 16 destination lines in step.
-void transpose_into(const float* src, int64_t rows, int64_t cols, float* dst, int64_t ld, int64_t col0) {
-  at::parallel_for(0, (cols + 15) / 16, std::max<int64_t>(1, 4096 / std::max<int64_t>(rows * 16, 1)),
+// fn(j0, j1) for the blocks of `width` columns of a (rows, cols) operand, split over the
+// threads in chunks of about 4K elements.
+template <typename F>
+void over_column_blocks(int64_t rows, int64_t cols, int64_t width, const F& fn) {
+  at::parallel_for(0, (cols + width - 1) / width, std::max<int64_t>(1, 4096 / std::max<int64_t>(rows * width, 1)),
                    [&](int64_t q0, int64_t q1) {
-    for (int64_t q = q0; q < q1; ++q) {
-      const int64_t j0 = q * 16, j1 = std::min(cols, j0 + 16);
-      for (int64_t b = 0; b < rows; ++b) {
-        const float* s = src + b * cols;
-        float* d = dst + col0 + b;
-        for (int64_t j = j0; j < j1; ++j) d[j * ld] = s[j];
-      }
+    for (int64_t q = q0; q < q1; ++q) fn(q * width, std::min(cols, q * width + width));
+  });
+}
+
+// dst[j * ld + col0 + b] = src[b * cols + j] for a row-major (rows, cols) src: one step's
+// block written transposed into the (cols, ld) matrix of the window. Each thread walks 16
+// columns at a time so it fills 16 destination lines in step.
+void transpose_into(const float* src, int64_t rows, int64_t cols, float* dst, int64_t ld, int64_t col0) {
+  over_column_blocks(rows, cols, 16, [&](int64_t j0, int64_t j1) {
+    for (int64_t b = 0; b < rows; ++b) {
+      const float* s = src + b * cols;
+      float* d = dst + col0 + b;
+      for (int64_t j = j0; j < j1; ++j) d[j * ld] = s[j];
     }
   });
 }
@@ -408,15 +414,11 @@ void forward_window(const at::Tensor& gates, const at::Tensor& w_packed, const a
 // result does not depend on the thread count).
 template <typename R>
 void add_column_sums(const R* d, int64_t B, int64_t N, float* db) {
-  at::parallel_for(0, (N + 63) / 64, std::max<int64_t>(1, 4096 / std::max<int64_t>(B * 64, 1)),
-                   [&](int64_t q0, int64_t q1) {
-    for (int64_t q = q0; q < q1; ++q) {
-      const int64_t j0 = q * 64, j1 = std::min(N, j0 + 64);
-      for (int64_t b = 0; b < B; ++b) {
-        const R* row = d + b * N;
+  over_column_blocks(B, N, 64, [&](int64_t j0, int64_t j1) {
+    for (int64_t b = 0; b < B; ++b) {
+      const R* row = d + b * N;
 #pragma omp simd
-        for (int64_t j = j0; j < j1; ++j) db[j] += load<float>(row, j);
-      }
+      for (int64_t j = j0; j < j1; ++j) db[j] += load<float>(row, j);
     }
   });
 }
