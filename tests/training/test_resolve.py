@@ -80,11 +80,11 @@ def test_a_run_stored_before_the_16_bit_mask_draw_keeps_fp32_uniforms(tiny_data,
 
 
 def test_a_run_stored_with_the_bits16_draw_keeps_it(tiny_data, tmp_path, monkeypatch):
-    """Runs of zlm 0.2 named "bits16" in their block: resumed, they draw it again (the
+    """Runs started before "mix16" named "bits16" in their block: resumed, they draw it again (the
     generator's state then reproduces their masks bit for bit)."""
     data = Dataset.open(tiny_data)
     mc, tc = _cfgs(data)
-    monkeypatch.setattr(resolve, "MASK_DRAW", "bits16")  # as zlm 0.2 resolved a fresh run
+    monkeypatch.setattr(resolve, "MASK_DRAW", "bits16")  # as zlm resolved a fresh run before mix16
     train(tmp_path / "run", data, mc, tc)
     monkeypatch.undo()
     ck = sorted((tmp_path / "run" / "checkpoints").iterdir())[-1]

@@ -8,7 +8,7 @@ kernel exists. A run written before zlm stored this block (config.json has "auto
 what that zlm resolved "auto" to: fp32 on a CPU (bf16, else fp16, on CUDA) and the fused
 cell in Python on a CPU (Triton on CUDA). The zoneout mask draw is stored too: a run
 whose block lacks it started before the 16-bit draw and keeps fp32 uniforms ("rand32");
-one that names "bits16" (zlm 0.2) keeps that, new runs draw "mix16".
+one that names "bits16" (torch random_ words, before "mix16") keeps that, new runs draw "mix16".
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ saving that RNG state makes training, and resuming it, reproducible.
 
 The draw uses 16 random bits per element, not a 32-bit float uniform: one 64-bit word gives
 four elements, each kept when its int16 lies below a threshold, so
-P(keep) = round(z * 2^16) / 2^16, within 7.7e-6 of z. The words ("mix16", since zlm 0.3)
+P(keep) = round(z * 2^16) / 2^16, within 7.7e-6 of z. The words ("mix16", new runs since 2026-12-04)
 are splitmix64's outputs for a counter started at ONE full-range int64 drawn from the
 torch generator: the generator's state still decides every mask (seeding and saving it
 makes a run reproducible), and the words come from a counter-based hash, which the C++
@@ -31,7 +31,7 @@ from zlm.model.cells import cpu_ext
 
 Keep = Tensor | float
 
-# How a training mask is drawn. "mix16" since zlm 0.3; "bits16" (zlm 0.2: torch random_
+# How a training mask is drawn. "mix16" for new runs; "bits16" (torch random_
 # words) and "rand32" (one fp32 uniform per element, before) are what runs started earlier
 # drew, kept so that they resume bit for bit (the run's config.json "resolved" block names
 # the draw).
