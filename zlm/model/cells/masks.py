@@ -65,17 +65,16 @@ def draw_keep(
         return torch.ones(shape, dtype=dtype, device=device)
     n = math.prod(shape)
     out = torch.empty(shape, dtype=dtype, device=device)
-    # a word per four elements, every one of its 64 bits uniform
-    words = torch.empty((n + 3) // 4, dtype=torch.int64, device=device)
+    count = (n + 3) // 4  # a word per four elements, every one of its 64 bits uniform
     if draw == "bits16":
-        words.random_(-(2**63), None, generator=generator)
+        words = torch.empty(count, dtype=torch.int64, device=device).random_(-(2**63), None, generator=generator)
     else:  # mix16: the generator gives the seed only
-        seed = words[:1].random_(-(2**63), None, generator=generator).clone()
+        seed = torch.empty(1, dtype=torch.int64, device=device).random_(-(2**63), None, generator=generator)
         ext = cpu_ext.loaded()
         if ext is not None and out.device.type == "cpu" and dtype in (torch.float32, torch.float64):
             ext.draw_mask(int(seed), level - 32768, out)  # the same bits, written as the mask
             return out
-        words = mix_words(seed, words.numel())
+        words = mix_words(seed, count)
     r16 = words.view(torch.int16)[:n].view(shape)  # (T, B, H) uniform on [-2^15, 2^15)
     return torch.lt(r16, level - 32768, out=out)
 
