@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 
 from zlm.cli.render import handle_errors, use_rich
-from zlm.core.report import fmt_duration
+from zlm.core.reporter import fmt_duration
 from zlm.tools.compare import Comparison, compare_runs
 
 RESULT_HEADERS = (("best_valid_bpc", "best valid BPC"), ("test_bpc", "test BPC"),

@@ -14,7 +14,7 @@ from typing import Annotated
 import typer
 
 from zlm.cli.render import handle_errors, print_pairs, use_rich
-from zlm.core.progress import make_byte_progress
+from zlm.core.rich_display import make_byte_progress
 from zlm.errors import UsageError
 from zlm.inference.compress import CompressResult, compress_file, decompress_file
 from zlm.inference.dynamic import DEFAULT_DECAY, DEFAULT_LR, DEFAULT_SEGMENT, DynamicConfig

@@ -14,7 +14,7 @@ from typing import Annotated
 import typer
 
 from zlm.cli.render import handle_errors, use_rich
-from zlm.core.report import fmt_duration
+from zlm.core.reporter import fmt_duration
 from zlm.errors import UsageError
 from zlm.tools.curves import RunCurves, read_runs, sample_at
 

@@ -19,7 +19,7 @@ import typer
 
 from zlm.cli.render import handle_errors, use_rich
 from zlm.errors import UsageError
-from zlm.tools import corpora_benchmark as cb
+from zlm.tools import benchmark as cb
 from zlm.tools.recipes import RecipeConfig, RecipeResult, run_recipe
 
 H_MODEL, H_BUDGET = "Model and training (default: the recipe's)", "Budget"
@@ -86,8 +86,8 @@ def command(
     as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
 ) -> None:
     """Run an experiment end to end: prepare, train, score the best checkpoints, plot."""
-    from zlm.core.progress import make_reporter
-    from zlm.core.report import PlainReporter
+    from zlm.core.reporter import PlainReporter
+    from zlm.core.rich_display import make_reporter
 
     sizes = dict(hidden=hidden, layers=layers, embed=embed, batch_size=batch_size, bptt=bptt,
                  eval_every=eval_every, log_every=log_every, device=device)

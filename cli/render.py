@@ -33,7 +33,7 @@ def handle_errors(fn: F) -> F:
 
 def use_rich() -> bool:
     """Rich on a terminal; plain lines when piped or when NO_COLOR is set."""
-    from zlm.core.progress import use_rich as on_terminal
+    from zlm.core.rich_display import use_rich as on_terminal
 
     return on_terminal()
 

@@ -9,8 +9,8 @@ from typing import Annotated
 import typer
 
 from zlm.cli.render import handle_errors
-from zlm.core.progress import make_reporter
-from zlm.inference.api import load
+from zlm.core.rich_display import make_reporter
+from zlm.inference.language_model import load
 from zlm.training.config import parse_duration
 from zlm.training.distributed import rank_from_env
 from zlm.training.runner import TrainRequest, run_training

@@ -92,13 +92,13 @@ def graph() -> dict[str, set[str]]:
 def test_the_parser_sees_every_form_of_import(tmp_path):
     """The counting itself: module-level, in-function, relative and importlib imports."""
     src = tmp_path / "m.py"
-    src.write_text("import zlm.data.dataset\nfrom zlm.core import scoring\n"
+    src.write_text("import zlm.data.dataset\nfrom zlm.core import eval_protocol\n"
                    "def f():\n    from ..model import lm\n    import importlib\n"
                    "    importlib.import_module('zlm.inference.load')\n    from zlm.errors import UsageError\n")
-    known = {"zlm.data.dataset", "zlm.core", "zlm.core.scoring", "zlm.model", "zlm.model.lm",
+    known = {"zlm.data.dataset", "zlm.core", "zlm.core.eval_protocol", "zlm.model", "zlm.model.lm",
              "zlm.inference.load", "zlm.errors", "zlm.training.x"}
     got = imports_of("zlm.training.x", src, known)
-    assert got == {"zlm.data.dataset", "zlm.core.scoring", "zlm.model.lm", "zlm.inference.load", "zlm.errors"}
+    assert got == {"zlm.data.dataset", "zlm.core.eval_protocol", "zlm.model.lm", "zlm.inference.load", "zlm.errors"}
 
 
 def test_no_upward_or_sideways_imports(graph):

@@ -1,7 +1,7 @@
 """zlm: character-level language modelling with zoneout LSTMs.
 
 The library is generic and has no command-line dependencies: the Typer app lives in
-`zlm.cli` (the repository's `cli/` folder) and the rich renderer in `zlm.core.progress`.
+`zlm.cli` (the repository's `cli/` folder) and the rich renderer in `zlm.core.rich_display`.
 The layers, lowest first: data, model, core, training | inference, tools (see README).
 """
 
@@ -11,10 +11,10 @@ __all__ = ["__version__", "load"]
 
 
 def __getattr__(name: str):
-    """`zlm.load(path)` (zlm.inference.api.load), imported on first use so that `import zlm`
+    """`zlm.load(path)` (zlm.inference.language_model.load), imported on first use so that `import zlm`
     stays free of torch."""
     if name == "load":
-        from zlm.inference.api import load
+        from zlm.inference.language_model import load
 
         return load
     raise AttributeError(f"module 'zlm' has no attribute {name!r}")

@@ -10,7 +10,7 @@ import zlib
 import pytest
 
 from conftest import TINY_SHAKESPEARE, need_corpus
-from zlm.data import benchmark as bm
+from zlm.data import benchmark_corpora as bm
 from zlm.errors import DataError, UsageError
 
 

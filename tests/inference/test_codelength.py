@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from conftest import shakespeare_text
+from zlm.core.eval_protocol import EvalProtocol
 from zlm.core.precision import resolve_runtime
-from zlm.core.scoring import EvalProtocol
 from zlm.data.tokenizers import ByteTokenizer, CharTokenizer, train_tokenizer
 from zlm.inference.codelength import char_bits, char_tokens, token_bits, token_predictions, token_spans
-from zlm.inference.evaluate import score_text
+from zlm.inference.evaluate import evaluate_text
 from zlm.inference.load import LoadedModel
 from zlm.model.cells import choose_cell
 from zlm.model.lm import ModelConfig, ZoneoutLM
@@ -44,7 +44,7 @@ def test_token_bits_sum_to_eval_file_total(streams, bptt):
     protocol = EvalProtocol(streams, bptt)
     bits = token_bits(lm, lm.tokenizer.encode(TEXT), protocol)
     assert bits.shape == (len(TEXT),) and bits.dtype == np.float64 and np.all(bits > 0)
-    score = score_text(lm, TEXT, protocol)
+    score = evaluate_text(lm, TEXT, protocol)
     assert bits.sum() == pytest.approx(score.nats / math.log(2), rel=1e-6)
 
 
@@ -69,7 +69,7 @@ def test_vocabulary_without_newline_leaves_the_first_token_unpredicted():
     lm = loaded(CharTokenizer(text))
     bits = token_bits(lm, lm.tokenizer.encode(text))
     assert math.isnan(bits[0]) and np.all(np.isfinite(bits[1:]))
-    assert np.nansum(bits) == pytest.approx(score_text(lm, text).nats / math.log(2), rel=1e-6)
+    assert np.nansum(bits) == pytest.approx(evaluate_text(lm, text).nats / math.log(2), rel=1e-6)
 
 
 def test_byte_chars_sum_their_utf8_bytes():
@@ -84,7 +84,7 @@ def test_byte_chars_sum_their_utf8_bytes():
         n = len(ch.encode("utf-8"))
         assert per_char[i] == pytest.approx(bits[k : k + n].sum())
         k += n
-    assert per_char.sum() == pytest.approx(score_text(lm, UNICODE).nats / math.log(2), rel=1e-6)
+    assert per_char.sum() == pytest.approx(evaluate_text(lm, UNICODE).nats / math.log(2), rel=1e-6)
     first = char_tokens(tok, UNICODE, len(ids))
     assert first[0] == 0 and first[-1] == len(ids) - 1
     assert first[UNICODE.index("\U0001f600") + 1] - first[UNICODE.index("\U0001f600")] == 4
@@ -111,7 +111,7 @@ def test_subword_chars_share_their_token_evenly(bpe):
     lm = loaded(bpe)
     real = token_bits(lm, ids)
     assert char_bits(bpe, text, real).sum() == pytest.approx(
-        score_text(lm, text).nats / math.log(2), rel=1e-6)
+        evaluate_text(lm, text).nats / math.log(2), rel=1e-6)
 
 
 def test_char_is_identity_and_mismatches_are_refused(bpe):

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from conftest import shakespeare_text
+from zlm.core.eval_protocol import EvalProtocol, evaluate_predictions
 from zlm.core.precision import resolve_runtime
-from zlm.core.scoring import EvalProtocol, score_predictions
 from zlm.data.tokenizers import CharTokenizer
 from zlm.errors import UsageError
 from zlm.inference.dynamic import DynamicAdapter, DynamicConfig, dynamic_score_predictions
@@ -47,12 +47,12 @@ def _tokens(lm, text):
 def test_zero_lr_is_static_and_first_segment_is_predicted_before_its_update(lm):
     tokens = _tokens(lm, shakespeare_text(3_001)[1000:])
     proto = EvalProtocol(3, 40)
-    static, n = score_predictions(lm.model, tokens, CPU, proto)
+    static, n = evaluate_predictions(lm.model, tokens, CPU, proto)
     dyn, m = dynamic_score_predictions(lm.model, tokens, CPU, proto, DynamicConfig(0.0, 0.0, 40))
     assert m == n and dyn == pytest.approx(static, rel=1e-5)
     # One segment only: however large the step, the score is the fixed weights' score.
     one = tokens[:41]
-    s1, _ = score_predictions(lm.model, one, CPU, EvalProtocol(1, 40))
+    s1, _ = evaluate_predictions(lm.model, one, CPU, EvalProtocol(1, 40))
     d1, _ = dynamic_score_predictions(lm.model, one, CPU, EvalProtocol(1, 40),
                                       DynamicConfig(10.0, 0.0, 40))
     assert d1 == pytest.approx(s1, rel=1e-5)
@@ -76,7 +76,7 @@ def test_adapts_to_repeated_text_and_leaves_the_model_alone(lm):
     piece = rng.integers(0, lm.tokenizer.vocab_size, 25)
     tokens = np.tile(piece, 24)  # (600,)
     proto = EvalProtocol(1, 30)
-    static, _ = score_predictions(lm.model, tokens, CPU, proto)
+    static, _ = evaluate_predictions(lm.model, tokens, CPU, proto)
     dyn, _ = dynamic_score_predictions(lm.model, tokens, CPU, proto, DynamicConfig(1e-2, 1e-3, 30))
     assert dyn < 0.9 * static
     for k, v in lm.model.state_dict().items():

@@ -13,11 +13,11 @@ from typer.testing import CliRunner
 
 from conftest import shakespeare_text, write_char_dataset
 from zlm.cli import app
+from zlm.core.eval_protocol import EvalProtocol, cold_start_bound, evaluate_predictions
 from zlm.core.precision import resolve_runtime
-from zlm.core.scoring import EvalProtocol, cold_start_bound, score_predictions
 from zlm.data.dataset import Dataset
 from zlm.errors import DataError
-from zlm.inference.api import load
+from zlm.inference.language_model import load
 from zlm.model.lm import ModelConfig, ZoneoutLM
 from zlm.training.config import TrainConfig
 from zlm.training.trainer import train
@@ -89,11 +89,11 @@ def test_every_prediction_is_counted_once(n, streams):
     model = ZoneoutLM(ModelConfig(vocab_size=5, hidden=4, embed=3)).eval()
     tokens = np.random.default_rng(0).integers(0, 5, n).astype(np.uint8)
     rt = resolve_runtime("cpu")
-    nats, count = score_predictions(model, tokens, rt, EvalProtocol(streams, bptt=10))
+    nats, count = evaluate_predictions(model, tokens, rt, EvalProtocol(streams, bptt=10))
     assert count == n - 1
     if n > 1:  # one stream gives the same sum as the plain loop over windows of any size
-        ref, _ = score_predictions(model, tokens, rt, EvalProtocol(1, bptt=n))
-        one, _ = score_predictions(model, tokens, rt, EvalProtocol(1, bptt=3))
+        ref, _ = evaluate_predictions(model, tokens, rt, EvalProtocol(1, bptt=n))
+        one, _ = evaluate_predictions(model, tokens, rt, EvalProtocol(1, bptt=3))
         assert one == pytest.approx(ref, rel=1e-6)
 
 

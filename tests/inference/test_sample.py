@@ -10,7 +10,7 @@ import torch
 from zlm.core.precision import resolve_runtime
 from zlm.data.tokenizers import ByteTokenizer, CharTokenizer, train_tokenizer
 from zlm.errors import UsageError
-from zlm.inference.api import LanguageModel
+from zlm.inference.language_model import LanguageModel
 from zlm.inference.sample import SampleConfig, Stepper, generate, sample_text
 from zlm.model.cells import choose_cell
 from zlm.model.lm import ModelConfig, ZoneoutLM, token_nll

@@ -12,7 +12,7 @@ import torch
 from zlm.core.precision import resolve_runtime
 from zlm.data.tokenizers import ByteTokenizer, CharTokenizer
 from zlm.errors import DataError, UsageError
-from zlm.inference.evaluate import score_text
+from zlm.inference.evaluate import evaluate_text
 from zlm.inference.load import LoadedModel
 from zlm.inference.score import ScoreConfig, score_text_chars, token_label
 from zlm.model.cells import choose_cell
@@ -34,7 +34,7 @@ def test_byte_model_scores_characters_and_labels_bytes():
     assert scored.bits.shape == (len(text),) and len(scored.top_tokens) == len(text)
     assert scored.score.characters == len(text) and scored.score.bytes == len(text.encode())
     assert scored.score.tokens == len(text.encode())
-    assert scored.score.nats == pytest.approx(score_text(lm, text).nats, rel=1e-6)
+    assert scored.score.nats == pytest.approx(evaluate_text(lm, text).nats, rel=1e-6)
     assert "sum over its UTF-8 bytes" in scored.attribution
     labels = set(scored.top_tokens[0])
     assert {"a", "\n", "<0xE2>", "<0xFF>"} <= labels and len(labels) == 256
@@ -48,7 +48,7 @@ def test_vocabulary_without_newline_marks_the_first_character_as_context():
     assert math.isnan(scored.bits[0]) and np.all(np.isfinite(scored.bits[1:]))
     assert scored.char_dict(0) == {"i": 0, "char": "a", "bits": None, "top": []}
     assert len(scored.char_dict(1)["top"]) == 2
-    ref = score_text(lm, "abcab")
+    ref = evaluate_text(lm, "abcab")
     assert (scored.score.characters, scored.score.tokens) == (ref.characters, ref.tokens) == (4, 4)
     assert scored.score.nats == pytest.approx(ref.nats, rel=1e-6)
 

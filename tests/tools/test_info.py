@@ -14,7 +14,7 @@ import safetensors.torch
 from conftest import shakespeare_text, write_char_dataset
 from zlm.data.dataset import Dataset
 from zlm.errors import CheckpointError
-from zlm.inference.api import load
+from zlm.inference.language_model import load
 from zlm.model.lm import ModelConfig
 from zlm.tools.info import describe
 from zlm.training.config import TrainConfig

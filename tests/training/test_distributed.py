@@ -22,9 +22,9 @@ import pytest
 import torch
 
 from zlm.core import checkpoint as ckpt
+from zlm.core.eval_protocol import EvalProtocol, evaluate_tokens
 from zlm.core.metrics import read_metrics
 from zlm.core.precision import resolve_runtime
-from zlm.core.scoring import EvalProtocol, score_split
 from zlm.data.dataset import Dataset
 from zlm.data.streams import CarryStreams
 from zlm.errors import CheckpointError
@@ -161,7 +161,7 @@ def test_validation_bpc_of_two_ranks_equals_one_process(runs):
     info = data.split_info("valid")
     for step in logged:
         model.load_state_dict(_weights(root / "ddp", step))
-        score = score_split(model, data.tokens("valid"), data.tokenizer, info.characters, info.bytes,
+        score = evaluate_tokens(model, data.tokens("valid"), data.tokenizer, info.characters, info.bytes,
                             runtime, EvalProtocol(tc.eval_streams))
         assert abs(score.bpc - logged[step]) < 1e-6, (step, score.bpc, logged[step])
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from zlm.core import checkpoint as ckpt
-from zlm.core.report import Reporter
+from zlm.core.reporter import Reporter
 from zlm.data.dataset import Dataset
 from zlm.data.streams import CarryStreams
 from zlm.errors import ZlmError

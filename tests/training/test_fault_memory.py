@@ -13,8 +13,8 @@ import time
 import numpy as np
 import torch
 
+from zlm.core.eval_protocol import EvalProtocol, evaluate_predictions
 from zlm.core.precision import resolve_runtime
-from zlm.core.scoring import EvalProtocol, score_predictions
 from zlm.data.dataset import Dataset
 from zlm.data.tokenizers import CharTokenizer
 from zlm.model.lm import ModelConfig, ZoneoutLM
@@ -92,7 +92,7 @@ def test_evaluating_a_split_larger_than_the_budget_stays_bounded(tmp_path):
     peaks = []
     for mb in (24, 48):
         tokens = _sparse_dataset(tmp_path / f"d{mb}", 10_000, mb * MB).tokens("valid")
-        peak, retained, (nats, count) = _peak_and_retained_mb(score_predictions, model, tokens, runtime, protocol)
+        peak, retained, (nats, count) = _peak_and_retained_mb(evaluate_predictions, model, tokens, runtime, protocol)
         assert count == len(tokens) - 1 and np.isfinite(nats)
         assert retained < 64, f"{retained:.0f} MB still held after evaluating a {mb} MB split"
         peaks.append(peak)

@@ -155,15 +155,15 @@ def test_keep_last_and_best_rotation_across_two_resumes(small_data, tmp_path):
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 @pytest.mark.parametrize("which", [1, 2])  # the first eval (no best yet) or a later one
 def test_non_finite_validation_never_becomes_best(small_data, tmp_path, monkeypatch, bad, which):
-    real = zlm.training.trainer.score_split
+    real = zlm.training.trainer.evaluate_tokens
     calls = []
 
-    def score_split(*a, **k):
+    def evaluate_tokens(*a, **k):
         score = real(*a, **k)
         calls.append(score)
         return dataclasses.replace(score, nats=bad) if len(calls) == which else score
 
-    monkeypatch.setattr(zlm.training.trainer, "score_split", score_split)
+    monkeypatch.setattr(zlm.training.trainer, "evaluate_tokens", evaluate_tokens)
     run = tmp_path / "run"
     mc, tc = _cfgs(small_data, max_steps=6, eval_every=2)
     before = None

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from zlm.core.metrics import read_metrics
-from zlm.core.report import Reporter
+from zlm.core.reporter import Reporter
 from zlm.data.dataset import Dataset
 from zlm.errors import DataError, NonFiniteError, UsageError
 from zlm.model.lm import ModelConfig

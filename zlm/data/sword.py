@@ -2,7 +2,7 @@
 
 Owns `sword_blocks` (the zlib blocks of a zText/zCom module, in index order) and
 `osis_to_text` (OSIS markup -> one line per paragraph). The benchmark's prose corpus
-(`corpora/benchmark.json`, assembled by `zlm.data.benchmark`) is such a module.
+(`corpora/benchmark.json`, assembled by `zlm.data.benchmark_corpora`) is such a module.
 """
 
 from __future__ import annotations

@@ -1,15 +1,15 @@
 """Code lengths: how many bits the model spends on each token and each character of a text.
 
-Owns the per-prediction side of scoring, shared by `zlm score` and `zlm compress`:
+Owns the per-prediction side of per-character scoring, shared by `zlm score` and `zlm compress`:
 
     token_predictions(lm, ids, protocol, top_k)  -> TokenPredictions: bits (N,), top-k
     token_bits(lm, ids, protocol)                -> bits (N,) float64, one per token of ids
     char_bits(tokenizer, text, token_bits)       -> bits (len(text),) float64
     char_tokens(tokenizer, text, n_tokens)       -> (len(text),) the first token of each character
 
-The protocol is `zlm eval --file`'s (`zlm.inference.evaluate.score_text`): the text's
+The protocol is `zlm eval --file`'s (`zlm.inference.evaluate.evaluate_text`): the text's
 tokens are preceded by one newline token as context, so every token is predicted, and
-the predictions are cut into streams and windows exactly as `zlm.core.scoring` cuts them
+the predictions are cut into streams and windows exactly as `zlm.core.eval_protocol` cuts them
 (state carried, never reset). The sum of `token_bits` is therefore `zlm eval --file`'s
 total under the same protocol, up to float summation order. A vocabulary without a
 newline has no context token: the text's first token is context and its bits are NaN.
@@ -29,8 +29,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from zlm.core.eval_protocol import EvalProtocol
 from zlm.core.metrics import LN2
-from zlm.core.scoring import EvalProtocol
 from zlm.data.tokenizers import Tokenizer, context_ids
 
 ATTRIBUTION = {
@@ -105,7 +105,7 @@ def token_predictions(lm, ids: np.ndarray, protocol: EvalProtocol = EvalProtocol
     rt = lm.runtime
     state = _run_stream(model, tokens, np.arange(S) * L, L, protocol.bptt, None, rt, out, offset)
     tail = n - S * L
-    if tail:  # the last stream continues, state carried, to the end (as zlm.core.scoring)
+    if tail:  # the last stream continues, state carried, to the end (as zlm.core.eval_protocol)
         last = (state[0][:, -1:].contiguous(), state[1][:, -1:].contiguous())
         _run_stream(model, tokens, np.array([S * L]), tail, protocol.bptt, last, rt, out, offset)
     model.train(was_training)

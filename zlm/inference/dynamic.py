@@ -3,7 +3,7 @@
 Owns `DynamicConfig` (--dynamic-lr, --dynamic-decay, --segment), `DynamicAdapter` (a
 private trainable copy of a loaded model and its update rule) and
 `dynamic_score_predictions`, the dynamic counterpart of
-`zlm.core.scoring.score_predictions` behind `zlm eval --dynamic`. `zlm compress --adapt`
+`zlm.core.eval_protocol.evaluate_predictions` behind `zlm eval --dynamic`. `zlm compress --adapt`
 (`zlm.inference.compress`) drives the same adapter, so both apply the same update.
 
 The text is cut into S parallel streams exactly as the static protocol cuts it, and read
@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from zlm.core.scoring import EvalProtocol, _windows
+from zlm.core.eval_protocol import EvalProtocol, _windows
 from zlm.errors import UsageError
 from zlm.model.lm import ZoneoutLM
 
@@ -136,7 +136,7 @@ class DynamicAdapter:
 
 def dynamic_score_predictions(model: ZoneoutLM, tokens: np.ndarray, runtime,
                               protocol: EvalProtocol, config: DynamicConfig) -> tuple[float, int]:
-    """Dynamic counterpart of `score_predictions`: summed nats over the N-1 predictions of
+    """Dynamic counterpart of `evaluate_predictions`: summed nats over the N-1 predictions of
     `tokens` (N,), and their count. Same streams as the static protocol; windows are
     `config.segment` tokens (protocol.bptt is not used); the last stream's remainder is
     scored after the parallel part, still adapting."""

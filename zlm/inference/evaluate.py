@@ -1,8 +1,8 @@
 """`zlm eval`: bits per character of a text file or of a split of the training data.
 
 Owns `EvalConfig` -> `evaluate` -> `EvalResult`, and scoring a loaded model on a text
-(`score_text`) or a split of the DATA_DIR it was trained on (`score_data_split`). The
-protocol and the scoring loop are `zlm.core.scoring`'s, shared with training's validation.
+(`evaluate_text`) or a split of the DATA_DIR it was trained on (`evaluate_split`). The
+protocol and the scoring loop are `zlm.core.eval_protocol`'s, shared with training's validation.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from zlm.core.eval_protocol import EvalProtocol, evaluate_predictions, evaluate_tokens
 from zlm.core.metrics import Score
-from zlm.core.scoring import EvalProtocol, score_predictions, score_split
 from zlm.data.dataset import Dataset
 from zlm.data.tokenizers import check_unknown, context_ids
 from zlm.errors import DataError, UsageError
@@ -22,7 +22,7 @@ from zlm.inference.dynamic import DynamicConfig, dynamic_score_predictions
 from zlm.inference.load import load_model
 
 
-def score_text(lm, text: str, protocol: EvalProtocol = EvalProtocol(1),
+def evaluate_text(lm, text: str, protocol: EvalProtocol = EvalProtocol(1),
                unknown: str = "error", dynamic: DynamicConfig | None = None) -> Score:
     """Score every character of `text`, preceded by one newline token as context.
 
@@ -34,7 +34,7 @@ def score_text(lm, text: str, protocol: EvalProtocol = EvalProtocol(1),
     ids = lm.tokenizer.encode(text, unknown=unknown)  # (N,) int64
     ctx = context_ids(lm.tokenizer)
     if ctx is None:  # no newline in the vocabulary: the first token is the context
-        return _score_tokens(lm, ids, lm.tokenizer, len(text), len(text.encode("utf-8")),
+        return _evaluate_tokens(lm, ids, lm.tokenizer, len(text), len(text.encode("utf-8")),
                              protocol, dynamic)
     tokens = np.concatenate([ctx[-1:], ids])  # (N+1,)
     nats, count = _predict(lm, tokens, protocol, dynamic)
@@ -44,15 +44,15 @@ def score_text(lm, text: str, protocol: EvalProtocol = EvalProtocol(1),
 
 def _predict(lm, tokens, protocol: EvalProtocol, dynamic: DynamicConfig | None):
     if dynamic is None:
-        return score_predictions(lm.model, tokens, lm.runtime, protocol)
+        return evaluate_predictions(lm.model, tokens, lm.runtime, protocol)
     return dynamic_score_predictions(lm.model, tokens, lm.runtime, protocol, dynamic)
 
 
-def _score_tokens(lm, tokens, tokenizer, characters: int, n_bytes: int,
+def _evaluate_tokens(lm, tokens, tokenizer, characters: int, n_bytes: int,
                   protocol: EvalProtocol, dynamic: DynamicConfig | None) -> Score:
-    """`score_split` (the first token is context only), static or dynamic."""
+    """`evaluate_tokens` (the first token is context only), static or dynamic."""
     if dynamic is None:
-        return score_split(lm.model, tokens, tokenizer, characters, n_bytes, lm.runtime, protocol)
+        return evaluate_tokens(lm.model, tokens, tokenizer, characters, n_bytes, lm.runtime, protocol)
     nats, count = _predict(lm, tokens, protocol, dynamic)
     first = tokenizer.decode([int(tokens[0])]) if len(tokens) else ""
     return Score(nats=float(nats), tokens=int(count), characters=max(characters - len(first), 0),
@@ -76,12 +76,12 @@ def open_training_data(lm):
     return data
 
 
-def score_data_split(lm, split: str, protocol: EvalProtocol = EvalProtocol(),
+def evaluate_split(lm, split: str, protocol: EvalProtocol = EvalProtocol(),
                      dynamic: DynamicConfig | None = None) -> Score:
     """Score a split of the training DATA_DIR (its first token is context only)."""
     data = open_training_data(lm)
     info = data.split_info(split)
-    return _score_tokens(lm, data.tokens(split), data.tokenizer, info.characters, info.bytes,
+    return _evaluate_tokens(lm, data.tokens(split), data.tokenizer, info.characters, info.bytes,
                          protocol, dynamic)
 
 
@@ -175,15 +175,15 @@ def evaluate_loaded(lm, config: EvalConfig) -> EvalResult:
     if config.file is not None:
         text = read_text_file(config.file)
         if dyn is not None:
-            static = score_text(lm, text, protocol, config.unknown)
+            static = evaluate_text(lm, text, protocol, config.unknown)
             t0 = time.perf_counter()
-        score = score_text(lm, text, protocol, config.unknown, dyn)
+        score = evaluate_text(lm, text, protocol, config.unknown, dyn)
         source, context = str(config.file), "the text is preceded by one newline as context"
     else:
         if dyn is not None:
-            static = score_data_split(lm, config.split, protocol)
+            static = evaluate_split(lm, config.split, protocol)
             t0 = time.perf_counter()
-        score = score_data_split(lm, config.split, protocol, dyn)
+        score = evaluate_split(lm, config.split, protocol, dyn)
         source = f"{config.split} split of {lm.data_path}"
         context = "the split's first token is context"
     seconds = time.perf_counter() - t0  # of the reported (dynamic, if asked) score only

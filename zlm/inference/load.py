@@ -1,6 +1,6 @@
 """Loading a checkpoint into a ready model, tokenizer and runtime (`load_model`).
 
-What `zlm eval`, `zlm sample` and the Python API (`zlm.inference.api`) share:
+What `zlm eval`, `zlm sample` and the Python API (`zlm.inference.language_model`) share:
 
     lm = zlm.load("runs/shakespeare")          # RUN_DIR (best/, else latest) or checkpoint
     lm.evaluate_text("To be, or not to be")    # -> zlm.core.metrics.Score (bpc, perplexity, ...)
@@ -33,7 +33,7 @@ from zlm.model.lm import ModelConfig, ZoneoutLM
 class LoadedModel:
     """A loaded checkpoint: model (eval mode, on runtime.device), tokenizer, and provenance.
 
-    What evaluation, sampling and scoring take; `zlm.inference.api.LanguageModel` adds the
+    What evaluation, sampling and scoring take; `zlm.inference.language_model.LanguageModel` adds the
     user-facing methods."""
 
     model: ZoneoutLM

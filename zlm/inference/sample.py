@@ -2,7 +2,7 @@
 
 Owns `SampleConfig`, token selection (`Chooser`: temperature, top-k, top-p, greedy) and
 `generate`, the library function behind `zlm sample` and
-`zlm.inference.api.LanguageModel.sample`; the step itself is `zlm.inference.stepper`.
+`zlm.inference.language_model.LanguageModel.sample`; the step itself is `zlm.inference.stepper`.
 
 The prime (or, without one, a single newline as context) runs through the model once,
 as one window, to get the state and the first distribution; the state is copied to the

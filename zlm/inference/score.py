@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from zlm.core.eval_protocol import EvalProtocol
 from zlm.core.metrics import LN2, Score
-from zlm.core.scoring import EvalProtocol
 from zlm.data.tokenizers import Tokenizer, check_unknown
 from zlm.errors import DataError, UsageError
 from zlm.inference.codelength import ATTRIBUTION, char_bits, char_tokens, token_predictions

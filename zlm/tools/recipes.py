@@ -21,7 +21,7 @@ from pathlib import Path
 
 from zlm.core import checkpoint as ckpt
 from zlm.core.checkpoint import read_json_or_none
-from zlm.core.report import Reporter
+from zlm.core.reporter import Reporter
 from zlm.data.dataset import Dataset
 from zlm.errors import UsageError, ZlmError
 from zlm.tools.curves import read_run, read_runs

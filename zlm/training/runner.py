@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from zlm.core.report import Reporter
+from zlm.core.reporter import Reporter
 from zlm.data import catalog
 from zlm.data.dataset import Dataset
 from zlm.data.prepare import PrepareConfig, prepare
@@ -110,7 +110,7 @@ def _train(plan: Plan, rep: Reporter) -> Outcome:
 
 def _train_worker(plan: Plan, print_progress: bool) -> None:
     """One rank of `zlm train --nproc`: the planned run, under the launcher's environment."""
-    from zlm.core.progress import make_reporter
+    from zlm.core.rich_display import make_reporter
 
     rep = make_reporter() if print_progress and distributed.rank_from_env() == 0 else Reporter()
     _train(plan, rep)

@@ -24,10 +24,10 @@ import numpy as np
 import torch
 
 from zlm.core import checkpoint as ckpt
+from zlm.core.eval_protocol import EvalProtocol, evaluate_tokens
 from zlm.core.metrics import LN2
 from zlm.core.precision import Runtime, resolve_device
-from zlm.core.report import Reporter
-from zlm.core.scoring import EvalProtocol, score_split
+from zlm.core.reporter import Reporter
 from zlm.data.dataset import Dataset
 from zlm.data.streams import Batch, make_streams
 from zlm.errors import NonFiniteError
@@ -233,7 +233,7 @@ class Trainer:
     def validate(self) -> float:
         """Valid BPC over the whole split (all ranks); best/ is updated when it improves."""
         s, vinfo = self.state, self.data.split_info("valid")
-        score = score_split(self.model, self.data.tokens("valid"), self.data.tokenizer, vinfo.characters,
+        score = evaluate_tokens(self.model, self.data.tokens("valid"), self.data.tokenizer, vinfo.characters,
                             vinfo.bytes, self.runtime, EvalProtocol(self.cfg.eval_streams), self.par.sum,
                             self.par.rank, self.par.world)
         bpc = score.bpc

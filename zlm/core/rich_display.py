@@ -24,7 +24,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from zlm.core.report import ByteProgress, PlainReporter, Reporter, fmt_duration
+from zlm.core.reporter import ByteProgress, PlainReporter, Reporter, fmt_duration
 
 
 def use_rich(stream=None) -> bool:

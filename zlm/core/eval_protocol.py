@@ -1,8 +1,8 @@
 """Scoring a token sequence: summed NLL with the LSTM state carried across it.
 
 Owns the evaluation protocol (`EvalProtocol`) and the scoring loop that training's
-validation and `zlm eval` (`zlm.inference.evaluate`) share (`score_predictions`,
-`score_split`).
+validation and `zlm eval` (`zlm.inference.evaluate`) share (`evaluate_predictions`,
+`evaluate_tokens`).
 
 Protocol (printed with every result): the text's N tokens give N-1 predictions. They
 are cut into S contiguous streams of L = (N-1) // S predictions, evaluated in parallel
@@ -94,7 +94,7 @@ def _run(model, windows, state, runtime) -> tuple[float, tuple]:
 
 
 @torch.no_grad()
-def score_predictions(
+def evaluate_predictions(
     model: ZoneoutLM,
     tokens: np.ndarray,
     runtime: Runtime,
@@ -130,14 +130,14 @@ def score_predictions(
     return nats, count
 
 
-def score_split(model, tokens, tokenizer, characters: int, n_bytes: int, runtime: Runtime,
+def evaluate_tokens(model, tokens, tokenizer, characters: int, n_bytes: int, runtime: Runtime,
                 protocol: EvalProtocol = EvalProtocol(), reduce=None, rank=0, world=1) -> Score:
     """Score a whole split. characters/n_bytes: of the split's original text.
 
     The first token is context only, so the characters (and bytes) it covers are not
     predicted and not counted. `reduce(list_of_floats) -> list` sums across ranks.
     """
-    nats, count = score_predictions(model, tokens, runtime, protocol, rank, world)
+    nats, count = evaluate_predictions(model, tokens, runtime, protocol, rank, world)
     if reduce is not None:
         nats, count = reduce([nats, float(count)])
     first = tokenizer.decode([int(tokens[0])]) if len(tokens) else ""

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from zlm.core import checkpoint as ckpt
-from zlm.core.report import Reporter
-from zlm.data import benchmark
+from zlm.core.reporter import Reporter
+from zlm.data import benchmark_corpora as benchmark
 from zlm.data.dataset import Dataset
 from zlm.errors import UsageError, ZlmError
 from zlm.model.lm import ModelConfig

@@ -10,9 +10,9 @@ The commands call the same library functions (`zlm.inference.evaluate`, `.sample
 
 from __future__ import annotations
 
+from zlm.core.eval_protocol import EvalProtocol
 from zlm.core.metrics import Score
-from zlm.core.scoring import EvalProtocol
-from zlm.inference.evaluate import score_data_split, score_text
+from zlm.inference.evaluate import evaluate_split, evaluate_text
 from zlm.inference.load import LoadedModel, load_model
 from zlm.inference.sample import Sample, SampleConfig, generate, sample_text
 
@@ -26,12 +26,12 @@ class LanguageModel(LoadedModel):
 
         One stream by default: a short text is best scored from one cold start.
         """
-        return score_text(self, text, EvalProtocol(streams, bptt), unknown)
+        return evaluate_text(self, text, EvalProtocol(streams, bptt), unknown)
 
     def evaluate_split(self, split: str = "valid", *, streams: int = 16,
                        bptt: int = 256) -> Score:
         """BPC of a split of the training DATA_DIR (the protocol `zlm train` validates with)."""
-        return score_data_split(self, split, EvalProtocol(streams, bptt))
+        return evaluate_split(self, split, EvalProtocol(streams, bptt))
 
     def sample(self, prime: str = "", length: int = 200, *, temperature: float = 1.0,
                top_k: int | None = None, top_p: float | None = None,

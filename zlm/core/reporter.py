@@ -2,7 +2,7 @@
 
 `Reporter` is the interface (all methods optional no-ops); `PlainReporter` prints plain
 lines. `ByteProgress` reports progress through a file (KB/s) for compress/decompress.
-The rich live display lives in `zlm.core.progress`, the only library module that
+The rich live display lives in `zlm.core.rich_display`, the only library module that
 imports rich.
 """
 

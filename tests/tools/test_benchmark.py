@@ -14,10 +14,10 @@ from typer.testing import CliRunner
 from conftest import shakespeare_text, write_char_dataset
 from zlm.cli import app
 from zlm.core.metrics import read_metrics
-from zlm.core.report import Reporter
+from zlm.core.reporter import Reporter
 from zlm.data.dataset import Dataset
 from zlm.errors import UsageError, ZlmError
-from zlm.tools import corpora_benchmark as cb
+from zlm.tools import benchmark as cb
 from zlm.tools.curves import read_run
 from zlm.training import defaults
 
