@@ -3,20 +3,17 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import torch
 
 from zlm.core.metrics import read_metrics
 from zlm.data.dataset import Dataset
 from zlm.model.cells import choose_cell
-from zlm.model.cells.masks import draw_keep
 from zlm.model.lm import ModelConfig
 from zlm.training import resolve
 from zlm.training.config import TrainConfig
-from zlm.training.trainer import Trainer, train
+from zlm.training.trainer import train
 
-FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "pre-refactor-run"
 CPU = torch.device("cpu")
 
 
@@ -34,7 +31,6 @@ def test_a_fresh_run_stores_what_auto_became(tiny_data, tmp_path):
     want = resolve.resolve_fresh(TrainConfig(device="cpu"), ModelConfig(vocab_size=5, zoneout_cell=0.2), CPU)
     assert config["resolved"] == want.to_dict()
     assert config["resolved"]["cell"] == "fused" and config["resolved"]["kernel"] in ("compiled", "python")
-    assert config["resolved"]["masks"] == "mix16"
     ck = sorted((tmp_path / "run" / "checkpoints").iterdir())[-1]
     assert json.loads((ck / "config.json").read_text())["resolved"] == config["resolved"]
 
@@ -51,46 +47,6 @@ def test_resume_never_re_resolves_auto(tiny_data, tmp_path, monkeypatch):
     starts = [e for e in read_metrics(tmp_path / "run" / "metrics.jsonl") if e["event"] == "start"]
     assert [s["runtime"] for s in starts] == ["cpu fp32", "cpu fp32"]
     assert json.loads((tmp_path / "run" / "config.json").read_text())["resolved"]["precision"] == "fp32"
-
-
-def test_a_run_written_before_settings_were_stored_gets_what_that_zlm_chose():
-    ck = FIXTURE / "checkpoints" / "step-00000005"
-    assert "resolved" not in json.loads((ck / "config.json").read_text())
-    r = resolve.stored(ck, CPU)
-    assert (r.precision, r.cell, r.kernel, r.masks) == ("fp32", "fused", "python", "rand32")
-    assert choose_cell("fused", CPU, kernel="python").kernel == "python"
-
-
-def test_a_run_stored_before_the_16_bit_mask_draw_keeps_fp32_uniforms(tiny_data, tmp_path, monkeypatch):
-    data = Dataset.open(tiny_data)
-    mc, tc = _cfgs(data)
-    to_dict = resolve.Resolved.to_dict
-    # as zlm wrote the block before the draw was stored
-    monkeypatch.setattr(resolve.Resolved, "to_dict", lambda r: {k: v for k, v in to_dict(r).items() if k != "masks"})
-    train(tmp_path / "run", data, mc, tc)
-    monkeypatch.undo()
-    ck = sorted((tmp_path / "run" / "checkpoints").iterdir())[-1]
-    assert "masks" not in json.loads((ck / "config.json").read_text())["resolved"]
-    assert resolve.stored(ck, CPU).masks == "rand32"
-    trainer = Trainer(tmp_path / "run", data, mc, TrainConfig(**{**tc.to_dict(), "max_steps": 4}), resume=True)
-    assert [layer.mask_draw for layer in trainer.model.layers] == ["rand32"]
-    g = torch.Generator().manual_seed(5)
-    legacy = draw_keep(0.3, (4, 3, 2), True, dtype=torch.float32, device="cpu", generator=g, draw="rand32")
-    assert torch.equal(legacy, (torch.rand(4, 3, 2, generator=g.manual_seed(5)) < 0.3).float())
-
-
-def test_a_run_stored_with_the_bits16_draw_keeps_it(tiny_data, tmp_path, monkeypatch):
-    """Runs started before "mix16" named "bits16" in their block: resumed, they draw it again (the
-    generator's state then reproduces their masks bit for bit)."""
-    data = Dataset.open(tiny_data)
-    mc, tc = _cfgs(data)
-    monkeypatch.setattr(resolve, "MASK_DRAW", "bits16")  # as zlm resolved a fresh run before mix16
-    train(tmp_path / "run", data, mc, tc)
-    monkeypatch.undo()
-    ck = sorted((tmp_path / "run" / "checkpoints").iterdir())[-1]
-    assert json.loads((ck / "config.json").read_text())["resolved"]["masks"] == "bits16"
-    trainer = Trainer(tmp_path / "run", data, mc, TrainConfig(**{**tc.to_dict(), "max_steps": 4}), resume=True)
-    assert [layer.mask_draw for layer in trainer.model.layers] == ["bits16"]
 
 
 def test_auto_runs_torchs_lstm_kernel_without_zoneout(tiny_data, tmp_path):

@@ -22,7 +22,6 @@ from zlm.core import checkpoint as ckpt
 from zlm.core.precision import precision_reason, resolve_precision
 from zlm.errors import CheckpointError
 from zlm.model.cells import KERNELS, CellChoice, choose_cell
-from zlm.model.cells.masks import MASK_DRAW, MASK_DRAWS
 from zlm.model.lm import ModelConfig
 from zlm.training.config import TrainConfig
 
@@ -34,14 +33,11 @@ class Resolved:
     precision: str  # fp32 | bf16 | fp16
     cell: str  # fused | reference | plain (what --cell asked for, resolved)
     kernel: str  # compiled | python | triton | reference | plain (the code that runs)
-    masks: str = MASK_DRAW  # the zoneout mask draw (zlm.model.cells.masks.MASK_DRAWS)
     why: str = ""  # one line for the start display (not stored)
 
     def __post_init__(self):
         if self.kernel not in KERNELS:
             raise CheckpointError(f"config.json names an unknown cell kernel {self.kernel!r}; use another checkpoint")
-        if self.masks not in MASK_DRAWS:
-            raise CheckpointError(f"config.json names an unknown mask draw {self.masks!r}; use another checkpoint")
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -53,29 +49,18 @@ def resolve_fresh(cfg: TrainConfig, model: ModelConfig, device: torch.device, on
     """Resolve `auto` on this machine (rank 0 does this for a new run)."""
     precision = resolve_precision(device, cfg.precision)
     cell = choose_cell(cfg.cell, device, on_event, zoneout=(model.zoneout_cell, model.zoneout_hidden))
-    return Resolved(precision, cell.name, cell.kernel, MASK_DRAW, precision_reason(device, precision, cfg.precision))
+    return Resolved(precision, cell.name, cell.kernel, precision_reason(device, precision, cfg.precision))
 
 
 def stored(checkpoint: Path, device: torch.device) -> Resolved:
     """What the run in `checkpoint` was resolved to when it started."""
     config = ckpt.read_json(checkpoint / "config.json", "training configuration")
-    if isinstance(config.get("resolved"), dict):
-        try:
-            r = Resolved(**{"masks": "rand32", **config["resolved"]})  # no "masks": drawn before bits16
-        except TypeError as e:
-            raise CheckpointError(f"{checkpoint}/config.json has a damaged 'resolved' block ({e})") from None
-        return Resolved(r.precision, r.cell, r.kernel, r.masks, f"as this run started ({checkpoint.name}/config.json)")
-    return _legacy(config.get("train", {}), device)
+    try:
+        r = Resolved(**config["resolved"])
+    except (TypeError, KeyError) as e:
+        raise CheckpointError(f"{checkpoint}/config.json has a damaged 'resolved' block ({e})") from None
+    return Resolved(r.precision, r.cell, r.kernel, f"as this run started ({checkpoint.name}/config.json)")
 
-
-def _legacy(train: dict, device: torch.device) -> Resolved:
-    precision = train.get("precision", "auto")
-    if precision == "auto":
-        precision = "fp32" if device.type == "cpu" else ("bf16" if torch.cuda.is_bf16_supported() else "fp16")
-    cell = train.get("cell", "auto")
-    kernel = "reference" if cell == "reference" else ("python" if device.type == "cpu" else "triton")
-    return Resolved(precision, "reference" if cell == "reference" else "fused", kernel, "rand32",
-                    "as zlm resolved 'auto' when this run started (written before settings were stored)")
 
 
 def cell_for(resolved: Resolved, requested: str, model: ModelConfig, device: torch.device,

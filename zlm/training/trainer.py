@@ -112,7 +112,6 @@ class Trainer:
         torch.manual_seed(cfg.seed + par.rank)
         self.cell = cell_for(self.resolved, cfg.cell, model_config, device, self.rep.message)
         self.model = ZoneoutLM(model_config, self.cell.fn).to(self.runtime.device)
-        self.model.set_mask_draw(self.resolved.masks)
         self.ddp_model = par.wrap_model(self.model)
         opt_cls, opt_kw = build_optimizer(cfg)
         self.optimizer = par.make_optimizer(opt_cls, self.model.parameters(), **opt_kw)
