@@ -1,10 +1,13 @@
-"""Shared fixtures: real text from ../shared, and tiny prepared datasets built directly."""
+"""Shared fixtures and helpers: the text the tests read (shipped in tests/corpora), tiny
+prepared datasets built directly, PTB-char files written from that text, and the CI rule
+that no test may skip there unless it is marked gpu."""
 
 from __future__ import annotations
 
 import json
 import os
 import pathlib
+import re
 
 import numpy as np
 import pytest
@@ -12,34 +15,79 @@ import pytest
 from zlm.data.tokenizers import CharTokenizer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SHARED = pathlib.Path(os.environ.get("ZLM_SHARED", ROOT.parent / "shared"))
-CORPORA = SHARED / "corpora"
+# A mirror in the catalog's layout (CORPORA/<name>/<file>): `zlm prepare NAME --mirror CORPORA`
+# reads it. Only tiny Shakespeare is shipped; see tests/corpora/README.md.
+CORPORA = ROOT / "tests" / "corpora"
 TINY_SHAKESPEARE = CORPORA / "tinyshakespeare" / "input.txt"
+
+try:  # hypothesis: no per-example deadline by default (a wall-clock limit fails a loaded CI)
+    from hypothesis import settings as _hypothesis_settings
+except ImportError:  # (the dev extra installs it; the tests that use it import it)
+    pass
+else:
+    _hypothesis_settings.register_profile("zlm", deadline=None)
+    _hypothesis_settings.load_profile("zlm")
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
 def need_corpus(path: pathlib.Path) -> pathlib.Path:
-    """Return path, a file or folder of ../shared/corpora; skip the test when it is missing.
-
-    Under CI (CI=true) a missing corpus fails the test instead: a third of the suite reads
-    real text, and CI must not pass by skipping it."""
+    """Return path, a file or folder of tests/corpora; fail the test when it is missing
+    (the checkout is incomplete: the text is part of the repository)."""
     if not path.exists():
-        msg = (f"{path} is not available: put the shared corpora beside the checkout "
-               f"(../shared) or set ZLM_SHARED=DIR")
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail(msg)
-        pytest.skip(msg)
+        pytest.fail(f"{path} is missing: it is part of the repository (tests/corpora)")
     return path
-
-
-def pytest_report_header(config) -> str:
-    found = "found" if TINY_SHAKESPEARE.exists() else "MISSING (tests that read it skip; fail under CI)"
-    return f"zlm shared corpora: {CORPORA} {found}"
 
 
 def shakespeare_text(n_chars: int | None = None) -> str:
     text = need_corpus(TINY_SHAKESPEARE).read_text(encoding="utf-8")
     return text if n_chars is None else text[:n_chars]
 
+
+# PTB-char -------------------------------------------------------------------------------
+# The Penn Treebank character files (ptb.char.*.txt) hold one sentence a line, every
+# character preceded by a space and "_" for a space: " a _ c a t\n" is "a cat\n". Their
+# alphabet is these 48 symbols, the space and the end of line: 50 in all.
+PTB_SYMBOLS = "#$&'*-./0123456789<>N\\abcdefghijklmnopqrstuvwxyz"
+PTB_FILES = {s: f"ptb.char.{s}.txt" for s in ("train", "valid", "test")}
+
+
+def ptb_char_text(n_lines: int, start: int = 0) -> str:
+    """n_lines sentences in PTB's alphabet: a line with every symbol, then tiny
+    Shakespeare's lines from line `start` on, lower-cased, other characters dropped."""
+    out = [" ".join(PTB_SYMBOLS)]
+    for line in shakespeare_text().splitlines()[start:]:
+        if len(out) == n_lines:
+            break
+        kept = re.sub(" +", " ", "".join(c for c in line.lower() if c in PTB_SYMBOLS or c == " "))
+        if kept.strip():
+            out.append(kept.strip())
+    assert len(out) == n_lines, f"tiny Shakespeare has fewer than {n_lines} lines from {start}"
+    return "".join(line + "\n" for line in out)
+
+
+def ptb_char_format(text: str) -> str:
+    """Decoded text -> the PTB-char file that decodes to it ("a cat\\n" -> " a _ c a t\\n")."""
+    assert "_" not in text and text.endswith("\n")
+    return "".join("".join(" " + c for c in line.replace(" ", "_")) + "\n"
+                   for line in text[:-1].split("\n"))
+
+
+def write_ptb_char(directory: pathlib.Path, lines=(3000, 400, 400)) -> dict[str, str]:
+    """ptb.char.{train,valid,test}.txt in `directory` (train, valid, test: `lines` lines
+    each, from different parts of tiny Shakespeare); returns each split's decoded text."""
+    directory.mkdir(parents=True, exist_ok=True)
+    texts, start = {}, 0
+    for (split, name), n in zip(PTB_FILES.items(), lines, strict=True):
+        texts[split] = ptb_char_text(n, start)
+        (directory / name).write_text(ptb_char_format(texts[split]), encoding="utf-8")
+        start += 2 * n  # (blank lines dropped: the parts never overlap)
+    return texts
+
+
+# Tiny datasets ---------------------------------------------------------------------------
 
 def write_char_dataset(out: pathlib.Path, text: str, split=(0.9, 0.05, 0.05)) -> pathlib.Path:
     """A DATA_DIR in zlm-dataset format, written without zlm.prepare (a fake, not a mock)."""
@@ -68,3 +116,71 @@ def write_char_dataset(out: pathlib.Path, text: str, split=(0.9, 0.05, 0.05)) ->
 def tiny_data(tmp_path) -> pathlib.Path:
     """~60k characters of tiny Shakespeare as a char DATA_DIR."""
     return write_char_dataset(tmp_path / "data", shakespeare_text(60_000))
+
+
+# CI: a skip is a failure unless the test is marked gpu ----------------------------------
+# Locally a test may skip for what this machine lacks (a C++ compiler, triton, onnx, a
+# mount it may not make, ...). CI (CI=true; .ci/run sets it) installs everything the dev
+# extra names, so such a skip there is a broken environment or a broken test: it fails.
+# The hooks see every way to skip: pytest.skip in a test or fixture, skipif marks,
+# importorskip (in a test, or at module level: a collection skip), and xfail.
+
+def _skip_reason(report) -> str:
+    if hasattr(report, "wasxfail"):
+        return f"xfail: {report.wasxfail or '(no reason given)'}"
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        return str(longrepr[2])
+    return str(longrepr)
+
+
+def _fail_instead(report, what: str) -> None:
+    reason = _skip_reason(report)
+    if hasattr(report, "wasxfail"):
+        what = what.replace("skipped", "xfailed")
+        del report.wasxfail
+    report.outcome = "failed"
+    report.longrepr = f"{what} under CI=true (only tests marked gpu may skip there): {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and in_ci() and item.get_closest_marker("gpu") is None:
+        _fail_instead(report, "skipped")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and in_ci():  # a module-level skip: no test in it ran
+        _fail_instead(report, f"{collector.nodeid or 'collection'} skipped")
+
+
+def pytest_configure(config) -> None:
+    if in_ci() and not config.pluginmanager.hasplugin("timeout"):
+        raise pytest.UsageError("CI=true needs pytest-timeout (pip install -e '.[dev]'): "
+                                "without it a hung test hangs CI")
+
+
+def pytest_report_header(config) -> str:
+    found = "found" if TINY_SHAKESPEARE.exists() else "MISSING (tests that read it fail)"
+    ci = "; CI=true: a skip fails unless the test is marked gpu" if in_ci() else ""
+    return f"zlm test corpora: {CORPORA} {found}{ci}"
+
+
+def train_run(run_dir, data, model_config, train_config, *, resume: bool = False, reporter=None, fault=None) -> dict:
+    """Train DATA_DIR `data` (a Dataset or a path) with exactly these configs, through the one
+    path `zlm train` takes (`plan` -> `Trainer`); the trainer's summary. `fault(step, loss)`
+    injects non-finite values."""
+    from zlm.core.config import Options
+    from zlm.training.plan import plan
+    from zlm.training.presets import Preset
+    from zlm.training.trainer import Trainer
+
+    path = getattr(data, "path", data)
+    planned = plan(path, Options.of(model_config, train_config), out=run_dir, resume=resume, reporter=reporter,
+                   preset=Preset("test", "the test's own configs", model_config, train_config))
+    return Trainer(planned, reporter=reporter, fault=fault).fit()

@@ -7,7 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from conftest import CORPORA, need_corpus
+from conftest import CORPORA, need_corpus, write_ptb_char
 from zlm.cli import app
 
 
@@ -50,11 +50,11 @@ def test_stdlib_offline(run, tmp_path):
 
 
 def test_ptb_char_valid_test_files(run, tmp_path):
-    need_corpus(CORPORA / "ptb-char")
     symbols = "#$&'*-./0123456789<>N\\abcdefghijklmnopqrstuvwxyz"
     train = tmp_path / "train.txt"
     train.write_text((" ".join(symbols) + " _ a \n") * 5)
-    ptb = CORPORA / "ptb-char"
+    ptb = tmp_path / "ptb"
+    write_ptb_char(ptb)  # PTB-char files written here, from tiny Shakespeare
     result = run(train, "--valid", ptb / "ptb.char.valid.txt", "--test", ptb / "ptb.char.test.txt",
                  "--format", "ptb-char", "--out", tmp_path / "d")
     assert result.exit_code == 0, result.output

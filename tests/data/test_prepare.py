@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import pathlib
 
 import numpy as np
 import pytest
 
-from conftest import CORPORA, need_corpus
+from conftest import CORPORA, PTB_FILES, need_corpus, write_ptb_char
 from zlm.corpora import load_catalog
 from zlm.data import catalog
 from zlm.data.dataset import Dataset
@@ -145,35 +146,39 @@ def test_explicit_valid_test_and_unknown_characters(tmp_path):
 
 
 def test_ptb_char_files_decode_to_50_symbols(tmp_path):
-    need_corpus(CORPORA / "ptb-char")
     symbols = "#$&'*-./0123456789<>N\\abcdefghijklmnopqrstuvwxyz"
     line = " ".join(symbols) + " _ " + " ".join("<unk>")
     train = _text_file(tmp_path, (line + " \n") * 10, "ptb.char.train.txt")
-    ptb = CORPORA / "ptb-char"
+    texts = write_ptb_char(tmp_path / "ptb", lines=(1, 3370, 500))  # PTB-char files written here
+    ptb = tmp_path / "ptb"
     ds = prepare(train, tmp_path / "d",
                  PrepareConfig(valid=ptb / "ptb.char.valid.txt", test=ptb / "ptb.char.test.txt",
                                format="ptb-char"))
     assert ds.vocab_size == 50
     assert set(ds.tokenizer.chars) == set(symbols) | {" ", "\n"}
     valid = ds.tokenizer.decode(ds.tokens("valid"))
-    assert valid.startswith("consumers may want to move their telephones a little closer")
+    assert valid == texts["valid"] and ds.tokenizer.decode(ds.tokens("test")) == texts["test"]
     assert valid.count("\n") == 3370
 
 
-def test_ptb_char_corpus_from_mirror(tmp_path):
-    need_corpus(CORPORA / "ptb-char")
+def test_ptb_char_corpus_from_mirror(tmp_path, monkeypatch):
     mirror = tmp_path / "m" / "ptb-char"
-    mirror.mkdir(parents=True)
-    for name in ("valid", "test"):
-        (mirror / f"ptb.char.{name}.txt").write_bytes(
-            (CORPORA / "ptb-char" / f"ptb.char.{name}.txt").read_bytes())
-    (mirror / "ptb.char.train.txt").write_bytes(
-        (CORPORA / "ptb-char" / "ptb.char.valid.txt").read_bytes())
+    texts = write_ptb_char(mirror)  # PTB-char files written here, from tiny Shakespeare
+    # The catalog pins the real files' digests: pin these files' instead (still checked).
+    cat = load_catalog()
+    for name in PTB_FILES.values():
+        digest = hashlib.sha256((mirror / name).read_bytes()).hexdigest()
+        cat["corpora"]["ptb-char"]["files"][name]["sha256"] = digest
+    monkeypatch.setattr(catalog, "load_catalog", lambda: cat)
     ds = prepare("ptb-char", tmp_path / "d", PrepareConfig(mirror=tmp_path / "m"))
     assert ds.vocab_size == 50 and ds.meta["source"]["name"] == "ptb-char"
+    assert _decoded(ds) == texts["train"] + texts["valid"] + texts["test"]
     with pytest.raises(UsageError, match="three files; drop --split"):
         prepare("ptb-char", tmp_path / "e", PrepareConfig(mirror=tmp_path / "m",
                                                           split=(0.8, 0.1, 0.1)))
+    (mirror / PTB_FILES["test"]).write_bytes(b" a\n" + (mirror / PTB_FILES["test"]).read_bytes())
+    with pytest.raises(DataError, match="ptb.char.test.txt: SHA-256 .* does not match ptb-char's"):
+        prepare("ptb-char", tmp_path / "f", PrepareConfig(mirror=tmp_path / "m"))
 
 
 def test_counts_split_and_byte_unit(tmp_path, monkeypatch):

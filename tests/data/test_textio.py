@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import SHARED  # ../shared or $ZLM_SHARED
+from conftest import PTB_SYMBOLS, ptb_char_format, ptb_char_text
 from zlm.data.textio import PtbCharDecoder, iter_bytes, iter_text, resolve_files
 from zlm.errors import DataError, UsageError
 
@@ -112,12 +112,16 @@ def test_ptb_char_rejects_plain_text(tmp_path):
         _read([path], fmt="ptb-char")
 
 
-def test_real_ptb_char_valid_decodes_to_the_50_symbols():
-    path = SHARED / "corpora" / "ptb-char" / "ptb.char.valid.txt"
-    if not path.exists():
-        pytest.skip("../shared/corpora/ptb-char is not available")
+def test_ptb_char_file_decodes_to_the_50_symbols(tmp_path):
+    """A PTB-char file (written from tiny Shakespeare in PTB's alphabet: 3,370 lines, as
+    many as ptb.char.valid.txt) decodes, in 64 KB chunks, to exactly its text."""
+    want = ptb_char_text(3370)
+    path = tmp_path / "ptb.char.valid.txt"
+    path.write_text(ptb_char_format(want), encoding="utf-8")
+    assert path.read_text(encoding="utf-8").startswith(" # _ $ _ &")
     text = _read([path], chunk=1 << 16, fmt="ptb-char")
-    assert text.startswith("consumers may want to move their telephones")
+    assert text == want
     assert text.count("\n") == 3370
     assert "_" not in text
-    assert len(set(text)) == 50  # 49 published symbols (space for "_") + end of line
+    assert set(text) == set(PTB_SYMBOLS) | {" ", "\n"}
+    assert len(set(text)) == 50  # 48 published symbols, the space (for "_") and end of line
