@@ -3,7 +3,7 @@
 `catalog.json` names the corpora `zlm prepare` knows: their files, SHA-256 digests,
 download URLs, formats and split conventions. It is package data, read through
 importlib.resources so it loads the same from a checkout, an editable install or a wheel.
-`zlm.catalog` interprets it.
+`zlm.data.catalog` interprets it.
 """
 
 from __future__ import annotations

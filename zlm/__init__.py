@@ -2,7 +2,7 @@
 
 The library is generic and has no command-line dependencies: the Typer app lives in
 `zlm.cli` (the repository's `cli/` folder) and the rich renderer in `zlm.core.rich_display`.
-The layers, lowest first: data, model, core, training | inference, tools (see README).
+The layers, lowest first: data, model, core, training | inference, tools (docs/architecture.md).
 """
 
 from zlm.version import __version__

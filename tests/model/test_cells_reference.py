@@ -1,4 +1,4 @@
-"""The reference cell follows SPEC.md section 4 exactly."""
+"""The reference cell follows the zoneout equations (Krueger et al. 2016, section 3.2) exactly."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """What training and inference both stand on: device and precision (precision), checkpoint
-files (checkpoint), the scoring loop that validation and `zlm eval` share (scoring),
-metrics and their log (metrics), and progress display (report; rich in progress, the one
-library module that imports rich).
+files (checkpoint), the scoring loop that validation and `zlm eval` share (eval_protocol),
+metrics and their log (metrics), and progress display (reporter; rich in rich_display, the
+one library module that imports rich).
 
 May import: zlm.data, zlm.model, zlm.errors, zlm.version.
 """

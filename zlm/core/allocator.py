@@ -3,9 +3,8 @@
 A training step allocates and frees the same large buffers every window (activations,
 gradients, logits). glibc serves blocks above its mmap threshold with fresh mmap()s and
 returns them with munmap(), and trims the heap top as it frees, so every window pays the
-kernel to zero and map those pages again. Measured on 2 cores (bf16, 1 x 512, B32, bptt
-25, 1,500 steps of `zlm train`, four runs each): 33.6 s of training and 4-12 s of system
-time by default, 27.0 s and 0.6 s with mmap off and trimming off; the losses are identical.
+kernel to zero and map those pages again. Turning both off took about a fifth off
+`zlm train`'s time with identical losses (measured, with the machine and command: docs/speed.md).
 
 `keep_freed_memory()` sets that once for the `zlm` command (not for a library user's own
 process). A user's MALLOC_MMAP_MAX_ / MALLOC_TRIM_THRESHOLD_ (or ZLM_MALLOC=default) wins.

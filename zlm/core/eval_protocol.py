@@ -14,12 +14,11 @@ by one newline token as context, so every one of its characters is predicted and
 byte and subword models of the same text are scored over the same character count.
 
 Each stream starts from a zero state, so more streams mean more cold starts: each extra
-stream adds the excess loss of its first ~100 characters. Measured on tiny Shakespeare's
-valid split (55,769 characters) with a 1 x 256 model at 2.79 BPC: 5-7 bits per extra
-stream in total, i.e. S = 16 adds 0.0013 BPC over S = 1, S = 64 adds 0.0065 and S = 128
-adds 0.015. A better model leans on longer context and pays more per cold start, so the
-documented bound (`cold_start_bound`, checked by tests/test_evaluate.py) is 50 bits per
-extra stream: S = 16 on a 300k-character split costs at most 0.0025 BPC. For the exact
+stream adds the excess loss of its first ~100 characters: 5-7 bits in total for a 1 x 256
+model on tiny Shakespeare (measured, with its command: docs/inference.md). A better model
+leans on longer context and pays more per cold start, so the documented bound
+(`cold_start_bound`, checked by tests/inference/test_evaluate.py) is 50 bits per extra
+stream: S = 16 on a 300k-character split costs at most 0.0025 BPC. For the exact
 single-stream number pass --batch-size 1.
 Under DDP the streams are divided among ranks and the sums are all-reduced, so the
 result does not depend on the world size.

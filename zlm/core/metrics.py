@@ -1,7 +1,7 @@
 """Bits per character, perplexity, and the run's metrics.jsonl log.
 
 BPC = total negative log-likelihood in nats / characters of the evaluated text / ln 2
-(SPEC.md section 5). Characters are those of the original text, so char, byte and
+(docs/inference.md, the evaluation protocol). Characters are those of the original text, so char, byte and
 subword models of the same text are comparable. Perplexity is per token unless named.
 """
 

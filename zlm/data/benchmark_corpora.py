@@ -9,7 +9,8 @@ reachable without the open web:
   its .deb checked against the pinned SHA-256, unpacked with `dpkg-deb -x`, and its text
   assembled by a rule ("files": every file under a folder, sorted by relative path;
   "sword": a SWORD zText/zCom module decoded and its OSIS markup turned into plain lines);
-- "shared": a file of ../shared (or $ZLM_SHARED, or the catalog's mirror and cache);
+- "shared": a file of the shared corpora folder ($ZLM_SHARED, see `shared_file`, or the
+  catalog's mirror and cache);
 - "builtin": zlm's own `stdlib` corpus (the running Python's sources), used by name.
 
 Every produced OUT/<name>/input.txt is checked against the pinned SHA-256 of the text,
@@ -235,9 +236,9 @@ def _apt_candidate(pkg: str) -> str:
 
 
 def shared_file(source: dict) -> pathlib.Path:
-    """A file of the shared corpora folder: $ZLM_SHARED, ../shared beside the working
-    directory or beside this checkout, else the catalog corpus of that name (mirror,
-    cache)."""
+    """A file of the shared corpora folder: $ZLM_SHARED, a folder named shared beside the
+    working directory or beside this checkout, else the catalog corpus of that name
+    (mirror, cache)."""
     rel = pathlib.Path(source["path"])
     roots = [os.environ.get(ENV_SHARED), pathlib.Path.cwd().parent / "shared",
              pathlib.Path(__file__).resolve().parents[2].parent / "shared"]
@@ -250,7 +251,7 @@ def shared_file(source: dict) -> pathlib.Path:
             return catalog.locate(name).files[0]
         except Exception:  # noqa: BLE001 - any failure: the hint below is the fix
             pass
-    raise DataError(f"{rel} not found in $ZLM_SHARED or ../shared; set {ENV_SHARED}=DIR "
+    raise DataError(f"{rel} not found in $ZLM_SHARED or a shared folder; set {ENV_SHARED}=DIR "
                     f"(a folder holding {rel})")
 
 

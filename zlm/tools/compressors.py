@@ -1,4 +1,4 @@
-"""zlm compress against everyday compressors on the same files (issue 17's comparison).
+"""zlm compress against everyday compressors on the same files.
 
 Owns `compare_compressors(run, files, ...) -> list[Row]` and `markdown(rows)`: for each
 file, zlm static and zlm --adapt (both round-tripped through decompression and checked),

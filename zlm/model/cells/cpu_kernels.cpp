@@ -17,7 +17,7 @@
 //   c_prev, h_prev (B, H) S; kc, kh (B, H) S keep masks, or absent: the floats zc, zh
 //   c_out (B, H) S zoned c;  tc_out (B, H) S tanh(c~) (scratch when not saved);  y_out (B, H) S zoned h
 //   y_lp (B, H) bf16, optional: a bf16 copy of y for the next bf16 matrix multiply
-// Equations (SPEC.md section 4):
+// Equations (Krueger et al. 2016; zlm/model/cells/reference.py):
 //   c~ = f c_prev + i g;  h~ = o tanh(c~);  c = kc c_prev + (1-kc) c~;  h = kh h_prev + (1-kh) h~
 // S is float or double. Strides: every tensor is contiguous (checked in Python).
 

@@ -2,7 +2,7 @@
 
 Same signature, parameter layout, gate order (i, f, g, o) and pre-drawn masks as
 `zlm.model.cells.reference.zoneout_lstm_reference`, and it matches it (forward and every
-gradient) to 1e-5 in fp32 and 1e-10 in fp64 (tests/test_cells_fused.py).
+gradient) to 1e-5 in fp32 and 1e-10 in fp64 (tests/model/test_cells_fused.py).
 
 How it is fast (the layout haste uses, on the CPU):
 - forward: the input projection for all timesteps is one matrix multiply into a

@@ -3,7 +3,7 @@
 Every fast cell in `zlm.model.cells` has this exact signature and must match this function
 (forward and gradients) under the same pre-drawn masks; the parity tests say how closely.
 
-Equations (SPEC.md section 4; Krueger et al. 2016, section 3.2), gate order i, f, g, o
+Equations (Krueger et al. 2016, section 3.2), gate order i, f, g, o
 as in torch.nn.LSTM:
 
     gates = x_t W_ih^T + h_prev W_hh^T + b              (B, 4H)

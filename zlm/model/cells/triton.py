@@ -3,7 +3,7 @@
 This module owns the loop over time, the precision rules and the autograd wiring of the
 fused cell; the element-wise device code lives in `zlm.model.cells.triton_kernels`. The cell has
 the signature of `zoneout_lstm_reference` and takes the same pre-drawn masks, so the two
-are compared under one seed (tests/test_cells_triton.py).
+are compared under one seed (tests/model/test_cells_triton.py).
 
 Forward over a window (buffer shapes as in haste; N is the batch, G = 4H):
 
