@@ -1,4 +1,11 @@
-"""`zlm train SOURCE`: train a zoneout LSTM with a live BPC display."""
+"""`zlm train SOURCE`: train a zoneout LSTM with a live BPC display.
+
+The signature is the interface: each option becomes the field of the same name in
+`zlm.core.config.Options` (None = not given), and `zlm.training.plan.plan` turns the
+source and those options into the run. Each option's help says its default: the
+default preset's value, and what the defaults rule chooses instead when the run has a
+length (--time-budget, --epochs or --max-steps) and no --preset.
+"""
 
 from __future__ import annotations
 
@@ -9,73 +16,133 @@ from typing import Annotated
 import typer
 
 from zlm.cli.render import handle_errors
-from zlm.core.rich_display import make_reporter
-from zlm.inference.language_model import load
-from zlm.training.config import parse_duration
-from zlm.training.distributed import rank_from_env
-from zlm.training.runner import TrainRequest, run_training
+from zlm.core.config import Options, parse_duration
+from zlm.training.defaults import REGIMES, RULED
+from zlm.training.presets import get_preset
 
 H_MODEL, H_TRAIN, H_RUN = "Model", "Training", "Run"
+_PRESET = get_preset(None)
+_REG, _RICH = REGIMES["regularised"], REGIMES["data-rich"]
+
+
+def _default(name: str) -> str:
+    """What an option not given becomes: the preset's value, and the rule's choice."""
+    if name == "schedule":
+        value = _PRESET.train.schedule.kind
+    elif name == "warmup":
+        value = _PRESET.train.schedule.warmup
+    else:
+        value = getattr(_PRESET.model, name, None)
+        value = getattr(_PRESET.train, name) if value is None else value
+    shown = _fmt(value)
+    if name not in RULED:
+        return shown
+    if name == "hidden":
+        rule = "the largest that trains on 10+ tokens per parameter, by corpus size and measured speed"
+    elif name == "eval_every":
+        rule = "about 6 validations per run"
+    else:
+        reg, rich = getattr(_REG, name), getattr(_RICH, name)
+        rule = _fmt(reg) if reg == rich else f"{_fmt(reg)} when regularising, {_fmt(rich)} when data-rich"
+    return f"{shown}; with a run length and no --preset, the defaults rule: {rule}"
+
+
+def _fmt(value) -> str:
+    return "none" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _opt(help: str, panel: str, name: str | None = None, default: str | None = None):
+    return typer.Option(help=help, rich_help_panel=panel,
+                        show_default=default if default is not None else _default(name))
 
 
 @handle_errors
 def command(
     source: Annotated[str, typer.Argument(help="A prepared DATA_DIR, a text file, or a corpus name (e.g. stdlib).")],
-    out: Annotated[Path | None, typer.Option("--out", "-o", help="Run directory [default: runs/<source name>].", rich_help_panel=H_RUN)] = None,
-    resume: Annotated[bool, typer.Option(help="Continue the run in --out from its latest complete checkpoint (starts fresh if there is none).", rich_help_panel=H_RUN)] = False,
-    preset: Annotated[str | None, typer.Option(help="cpu-small or zoneout-ptb-char [default: cpu-small, adapted by the defaults rule to the corpus size and --time-budget/--epochs/--max-steps]; explicit options override it.", rich_help_panel=H_RUN)] = None,
-    hidden: Annotated[int | None, typer.Option(help="Units per LSTM layer.", rich_help_panel=H_MODEL)] = None,
-    layers: Annotated[int | None, typer.Option(help="Stacked zoneout LSTM layers.", rich_help_panel=H_MODEL)] = None,
-    embed: Annotated[int | None, typer.Option(help="Embedding width.", rich_help_panel=H_MODEL)] = None,
-    zoneout_cell: Annotated[float | None, typer.Option(help="z_c: probability a cell unit keeps its value.", rich_help_panel=H_MODEL)] = None,
-    zoneout_hidden: Annotated[float | None, typer.Option(help="z_h: probability a hidden unit keeps its value.", rich_help_panel=H_MODEL)] = None,
-    dropout: Annotated[float | None, typer.Option(help="Non-recurrent dropout.", rich_help_panel=H_MODEL)] = None,
-    cell: Annotated[str | None, typer.Option(help="auto | fused | reference | plain (auto: plain when both zoneouts are 0).", rich_help_panel=H_MODEL)] = None,
-    batch_size: Annotated[int | None, typer.Option(help="Streams per process.", rich_help_panel=H_TRAIN)] = None,
-    bptt: Annotated[int | None, typer.Option(help="Truncated backprop window (tokens).", rich_help_panel=H_TRAIN)] = None,
-    lr: Annotated[float | None, typer.Option(help="Learning rate.", rich_help_panel=H_TRAIN)] = None,
-    optimizer: Annotated[str | None, typer.Option(help="adam | adamw | sgd.", rich_help_panel=H_TRAIN)] = None,
-    weight_decay: Annotated[float | None, typer.Option(help="Weight decay.", rich_help_panel=H_TRAIN)] = None,
-    clip: Annotated[float | None, typer.Option(help="Max gradient norm (0 = off).", rich_help_panel=H_TRAIN)] = None,
-    schedule: Annotated[str | None, typer.Option(help="constant | cosine | plateau.", rich_help_panel=H_TRAIN)] = None,
-    warmup: Annotated[int | None, typer.Option(help="Linear warmup steps.", rich_help_panel=H_TRAIN)] = None,
-    epochs: Annotated[float | None, typer.Option(help="Passes over the training split.", rich_help_panel=H_TRAIN)] = None,
-    max_steps: Annotated[int | None, typer.Option(help="Optimizer steps.", rich_help_panel=H_TRAIN)] = None,
-    time_budget: Annotated[str | None, typer.Option(help="Stop after this much training time, e.g. 10m.", rich_help_panel=H_TRAIN)] = None,
-    eval_every: Annotated[int | None, typer.Option(help="Validate and checkpoint every N steps.", rich_help_panel=H_TRAIN)] = None,
-    state: Annotated[str | None, typer.Option(help="carry (TBPTT streams) | reset (paper's shuffled chunks).", rich_help_panel=H_TRAIN)] = None,
-    reset_prob: Annotated[float | None, typer.Option(help="carry: chance that a stream's state is zeroed before a window (teaches starting mid-text).", rich_help_panel=H_TRAIN)] = None,
-    seed: Annotated[int | None, typer.Option(help="Random seed.", rich_help_panel=H_TRAIN)] = None,
-    device: Annotated[str | None, typer.Option(help="auto | cpu | cuda.", rich_help_panel=H_RUN)] = None,
-    precision: Annotated[str | None, typer.Option(help="auto | fp32 | bf16 | fp16.", rich_help_panel=H_RUN)] = None,
-    cuda_graphs: Annotated[str | None, typer.Option(help="auto | on | off: replay each training window from a CUDA graph (auto: on with the CUDA fused cell in one process).", rich_help_panel=H_RUN)] = None,
-    keep_last: Annotated[int | None, typer.Option(help="Step checkpoints to keep (plus best/).", rich_help_panel=H_RUN)] = None,
-    log_every: Annotated[int | None, typer.Option(help="Steps between log lines.", rich_help_panel=H_RUN)] = None,
-    nproc: Annotated[int | None, typer.Option(help="Launch N local processes (DistributedDataParallel).", rich_help_panel=H_RUN)] = None,
-    zero: Annotated[bool, typer.Option(help="Shard optimizer state across processes (ZeRO stage 1).", rich_help_panel=H_RUN)] = False,
-    sample: Annotated[int, typer.Option(help="Print a sample of N characters from the best model at the end.", rich_help_panel=H_RUN)] = 0,
-    mirror: Annotated[Path | None, typer.Option(help="Local copy of named corpora.", rich_help_panel=H_RUN)] = None,
-    unknown: Annotated[str | None, typer.Option(help="A raw SOURCE's characters missing from its train split: include (vocabulary from the whole text; default for files) | replace (U+FFFD) | error.", rich_help_panel=H_RUN)] = None,
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Run directory.", rich_help_panel=H_RUN,
+                                             show_default="runs/<source name>, -2, -3... if taken")] = None,
+    resume: Annotated[bool, typer.Option(help="Continue the run in --out from its latest complete checkpoint "
+                                         "(starts fresh if there is none); options given replace its training settings.",
+                                         rich_help_panel=H_RUN)] = False,
+    preset: Annotated[str | None, _opt("cpu-small or zoneout-ptb-char; explicit options override it.", H_RUN,
+                                       default="cpu-small, adapted by the defaults rule")] = None,
+    hidden: Annotated[int | None, _opt("Units per LSTM layer.", H_MODEL, "hidden")] = None,
+    layers: Annotated[int | None, _opt("Stacked zoneout LSTM layers.", H_MODEL, "layers")] = None,
+    embed: Annotated[int | None, _opt("Embedding width.", H_MODEL, "embed")] = None,
+    zoneout_cell: Annotated[float | None, _opt("z_c: probability a cell unit keeps its value.", H_MODEL,
+                                               "zoneout_cell")] = None,
+    zoneout_hidden: Annotated[float | None, _opt("z_h: probability a hidden unit keeps its value.", H_MODEL,
+                                                 "zoneout_hidden")] = None,
+    dropout: Annotated[float | None, _opt("Non-recurrent dropout.", H_MODEL, "dropout")] = None,
+    cell: Annotated[str | None, _opt("auto | fused | reference | plain.", H_MODEL,
+                                     default="auto: plain, torch's LSTM kernel, when both zoneouts are 0, "
+                                             "else fused")] = None,
+    batch_size: Annotated[int | None, _opt("Streams per process.", H_TRAIN, "batch_size")] = None,
+    bptt: Annotated[int | None, _opt("Truncated backprop window (tokens).", H_TRAIN, "bptt")] = None,
+    lr: Annotated[float | None, _opt("Learning rate.", H_TRAIN, "lr")] = None,
+    optimizer: Annotated[str | None, _opt("adam | adamw | sgd.", H_TRAIN, "optimizer")] = None,
+    weight_decay: Annotated[float | None, _opt("Weight decay.", H_TRAIN, "weight_decay")] = None,
+    clip: Annotated[float | None, _opt("Max gradient norm (0 = off).", H_TRAIN, "clip")] = None,
+    schedule: Annotated[str | None, _opt("constant | cosine | plateau.", H_TRAIN, "schedule")] = None,
+    warmup: Annotated[int | None, _opt("Linear warmup steps.", H_TRAIN, "warmup")] = None,
+    epochs: Annotated[float | None, _opt("Passes over the training split.", H_TRAIN,
+                                         default="none: no limit")] = None,
+    max_steps: Annotated[int | None, _opt("Optimizer steps.", H_TRAIN, default="none: no limit")] = None,
+    time_budget: Annotated[str | None, _opt("Stop after this much training time, e.g. 10m.", H_TRAIN,
+                                            default="none: with no limit at all the run trains until interrupted")] = None,
+    eval_every: Annotated[int | None, _opt("Validate and checkpoint every N steps.", H_TRAIN, "eval_every")] = None,
+    state: Annotated[str | None, _opt("carry (TBPTT streams) | reset (paper's shuffled chunks).", H_TRAIN,
+                                      "state")] = None,
+    reset_prob: Annotated[float | None, _opt("carry: chance that a stream's state is zeroed before a window "
+                                             "(teaches starting mid-text).", H_TRAIN, "reset_prob")] = None,
+    seed: Annotated[int | None, _opt("Random seed.", H_TRAIN, "seed")] = None,
+    device: Annotated[str | None, _opt("auto | cpu | cuda.", H_RUN, default="auto: cuda when available")] = None,
+    precision: Annotated[str | None, _opt("auto | fp32 | bf16 | fp16.", H_RUN,
+                                          default="auto: bf16 on CUDA and on CPUs with native bf16, else fp32; "
+                                                  "fp16 on CUDA without bf16")] = None,
+    cuda_graphs: Annotated[str | None, _opt("auto | on | off: replay each training window from a CUDA graph.", H_RUN,
+                                            default="auto: on with the CUDA fused cell in one process")] = None,
+    keep_last: Annotated[int | None, _opt("Step checkpoints to keep (plus best/).", H_RUN, "keep_last")] = None,
+    log_every: Annotated[int | None, _opt("Steps between log lines.", H_RUN, "log_every")] = None,
+    nproc: Annotated[int | None, _opt("Launch N local processes (DistributedDataParallel).", H_RUN,
+                                      default="1, or torchrun's WORLD_SIZE")] = None,
+    zero: Annotated[bool, typer.Option(help="Shard optimizer state across processes (ZeRO stage 1).",
+                                       rich_help_panel=H_RUN)] = False,
+    sample: Annotated[int, typer.Option(help="Print a sample of N characters from the best model at the end.",
+                                        rich_help_panel=H_RUN)] = 0,
+    mirror: Annotated[Path | None, _opt("Local copy of named corpora.", H_RUN,
+                                        default="$ZLM_CORPORA, else the cache")] = None,
+    unknown: Annotated[str | None, _opt("A raw SOURCE's characters missing from its train split: include "
+                                        "(vocabulary from the whole text) | replace (U+FFFD) | error.", H_RUN,
+                                        default="include for files; a named corpus's own convention")] = None,
 ) -> None:
     """Train a zoneout LSTM language model on SOURCE; live BPC; safetensors checkpoints."""
-    options = dict(locals())  # the signature is the interface: every config option, None = not given
-    for name in _NOT_CONFIG:
-        options.pop(name)
-    options["zero"] = zero or None
-    if time_budget is not None:
-        options["time_budget"] = parse_duration(time_budget)
+    from zlm.core.rich_display import make_reporter
+    from zlm.training.plan import plan
+    from zlm.training.runner import check_nproc, run
+
+    options = Options(
+        hidden=hidden, layers=layers, embed=embed, zoneout_cell=zoneout_cell, zoneout_hidden=zoneout_hidden,
+        dropout=dropout, cell=cell, batch_size=batch_size, bptt=bptt, lr=lr, optimizer=optimizer,
+        weight_decay=weight_decay, clip=clip, schedule=schedule, warmup=warmup, epochs=epochs,
+        max_steps=max_steps, time_budget=parse_duration(time_budget) if time_budget is not None else None,
+        eval_every=eval_every, state=state, reset_prob=reset_prob, seed=seed, device=device,
+        precision=precision, cuda_graphs=cuda_graphs, keep_last=keep_last, log_every=log_every,
+        zero=zero or None)
+    check_nproc(nproc)
     rep = make_reporter()
-    req = TrainRequest(source=source, out=out, resume=resume, preset=preset, options=options,
-                       nproc=nproc, mirror=mirror, unknown=unknown)
-    outcome = run_training(req, rep)
+    planned = plan(source, options, out=out, preset=preset, resume=resume, mirror=mirror, unknown=unknown,
+                   world=nproc, reporter=rep)
+    again = f"zlm train {source} --out {planned.run_dir}" + (f" --nproc {nproc}" if nproc else "") + " --resume"
+    outcome = run(planned, rep, nproc, again)
     if outcome.interrupted:
         step = outcome.summary.get("step")
         where = f" at step {step}" if step is not None else ""
-        again = f"zlm train {source} --out {outcome.run_dir}" + (f" --nproc {nproc}" if nproc else "") + " --resume"
         rep.message(f"interrupted{where}: checkpoint saved; continue with {again}")
         raise typer.Exit(128 + int(getattr(signal, outcome.interrupted)))
-    if sample > 0 and rank_from_env() == 0:
-        rep.message("sample:\n" + load(outcome.run_dir).sample(length=sample, temperature=0.8, seed=0))
+    if sample > 0 and outcome.summary is not None:
+        from zlm.inference.language_model import load
+        from zlm.training.distributed import rank_from_env
 
-
-_NOT_CONFIG = ("source", "out", "resume", "preset", "nproc", "sample", "mirror", "unknown")
+        if rank_from_env() == 0:
+            rep.message("sample:\n" + load(outcome.run_dir).sample(length=sample, temperature=0.8, seed=0))

@@ -12,11 +12,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from conftest import shakespeare_text, write_char_dataset
+from conftest import shakespeare_text, train_run, write_char_dataset
 from zlm.cli import app
+from zlm.core.config import TrainConfig
 from zlm.data.dataset import Dataset
 from zlm.model.lm import ModelConfig
-from zlm.training.trainer import TrainConfig, train
 
 runner = CliRunner()
 
@@ -29,7 +29,7 @@ def runs(tmp_path_factory):
     torch.set_num_threads(1)
     out = []
     for seed in (1, 2):
-        train(root / f"run{seed}", data, ModelConfig(vocab_size=data.vocab_size, hidden=16, embed=8),
+        train_run(root / f"run{seed}", data, ModelConfig(vocab_size=data.vocab_size, hidden=16, embed=8),
               TrainConfig(batch_size=4, bptt=20, max_steps=2, eval_every=2, log_every=100, seed=seed))
         out.append(root / f"run{seed}")
     yield out

@@ -9,12 +9,11 @@ import shutil
 import pytest
 from typer.testing import CliRunner
 
-from conftest import shakespeare_text, write_char_dataset
+from conftest import shakespeare_text, train_run, write_char_dataset
 from zlm.cli import app
+from zlm.core.config import TrainConfig
 from zlm.data.dataset import Dataset
 from zlm.model.lm import ModelConfig
-from zlm.training.config import TrainConfig
-from zlm.training.trainer import train
 
 runner = CliRunner()
 
@@ -23,7 +22,7 @@ runner = CliRunner()
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("cli")
     data = Dataset.open(write_char_dataset(root / "data", shakespeare_text(30_000)))
-    train(root / "run", data, ModelConfig(vocab_size=data.vocab_size, hidden=32, embed=8),
+    train_run(root / "run", data, ModelConfig(vocab_size=data.vocab_size, hidden=32, embed=8),
           TrainConfig(batch_size=4, bptt=20, max_steps=10, eval_every=10, log_every=100))
     return root / "run"
 

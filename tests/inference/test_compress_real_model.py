@@ -11,13 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY_SHAKESPEARE, need_corpus, write_char_dataset
+from conftest import TINY_SHAKESPEARE, need_corpus, train_run, write_char_dataset
+from zlm.core.config import TrainConfig
 from zlm.data.dataset import Dataset
 from zlm.inference.compress import compress_bytes, decompress_bytes, load_for_coding
 from zlm.inference.dynamic import DynamicConfig
 from zlm.model.lm import ModelConfig
-from zlm.training.config import TrainConfig
-from zlm.training.trainer import train
 
 
 @pytest.mark.slow
@@ -26,7 +25,7 @@ def test_one_megabyte_roundtrip_with_a_trained_model(tmp_path):
     run = os.environ.get("ZLM_COMPRESS_RUN")
     if run is None:
         data = Dataset.open(write_char_dataset(tmp_path / "data", text))
-        train(tmp_path / "run", data, ModelConfig(vocab_size=data.vocab_size, hidden=256, embed=64),
+        train_run(tmp_path / "run", data, ModelConfig(vocab_size=data.vocab_size, hidden=256, embed=64),
               TrainConfig(batch_size=32, bptt=100, max_steps=150, eval_every=150, log_every=1000,
                           reset_prob=0.02))  # as cpu-small: 64 cold-start streams need it
         run = tmp_path / "run"

@@ -12,21 +12,20 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from conftest import shakespeare_text, write_char_dataset
+from conftest import shakespeare_text, train_run, write_char_dataset
 from zlm.cli import app
+from zlm.core.config import TrainConfig
 from zlm.core.eval_protocol import COLD_START_BITS, EvalProtocol, evaluate_predictions
 from zlm.core.precision import resolve_runtime
 from zlm.data.dataset import Dataset
 from zlm.errors import DataError
 from zlm.inference.language_model import load
 from zlm.model.lm import ModelConfig, ZoneoutLM
-from zlm.training.config import TrainConfig
-from zlm.training.trainer import train
 
 
 def train_tiny(run_dir, data_dir, steps=20):
     data = Dataset.open(data_dir)
-    train(run_dir, data, ModelConfig(vocab_size=data.vocab_size, hidden=32, embed=8),
+    train_run(run_dir, data, ModelConfig(vocab_size=data.vocab_size, hidden=32, embed=8),
           TrainConfig(batch_size=4, bptt=32, max_steps=steps, eval_every=steps, log_every=100,
                       eval_streams=4))
     return run_dir

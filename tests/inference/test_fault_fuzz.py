@@ -19,14 +19,13 @@ import time
 
 import pytest
 
-from conftest import shakespeare_text, write_char_dataset
+from conftest import shakespeare_text, train_run, write_char_dataset
 from zlm.core import checkpoint as ckpt
+from zlm.core.config import TrainConfig
 from zlm.data.dataset import Dataset
 from zlm.errors import CheckpointError
 from zlm.inference import load as inference
 from zlm.model.lm import ModelConfig
-from zlm.training.config import TrainConfig
-from zlm.training.trainer import train
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +40,7 @@ def good_checkpoint(tmp_path_factory):
     data = Dataset.open(write_char_dataset(root / "data", shakespeare_text(6000)))
     mc = ModelConfig(vocab_size=data.vocab_size, hidden=16, embed=8, layers=2)
     tc = TrainConfig(batch_size=4, bptt=16, max_steps=2, eval_every=2, eval_streams=2)
-    train(root / "run", data, mc, tc)
+    train_run(root / "run", data, mc, tc)
     path = root / "run" / "best"
     inference.load(path, device="cpu")  # the unmutated checkpoint loads
     return path

@@ -13,13 +13,14 @@ from typer.testing import CliRunner
 
 from conftest import shakespeare_text, write_char_dataset
 from zlm.cli import app
+from zlm.core.config import Options
 from zlm.core.metrics import read_metrics
 from zlm.core.reporter import Reporter
 from zlm.data.dataset import Dataset
 from zlm.errors import UsageError, ZlmError
 from zlm.tools import benchmark as cb
 from zlm.tools.curves import read_run
-from zlm.training import defaults
+from zlm.training import speed_probe
 
 runner = CliRunner()
 TINY = {"hidden": 16, "embed": 8, "batch_size": 4, "bptt": 16, "eval_every": 2, "log_every": 1,
@@ -39,12 +40,13 @@ def corpora(tmp_path_factory):
 
 def test_defaults_are_zlm_trains_and_baseline_is_the_plain_lstm(tmp_path, monkeypatch):
     data = Dataset.open(write_char_dataset(tmp_path / "data", shakespeare_text(20_000)))
-    monkeypatch.setattr(defaults, "probe_tokens_per_s", lambda *a, **k: 1e6)  # many passes
-    model, train, rule = cb.zlm_defaults(data, {"time_budget": 600.0, "seed": 2})
+    monkeypatch.setattr(speed_probe, "probe_tokens_per_s", lambda *a, **k: 1e6)  # many passes
+    spec = cb.zlm_defaults(data, Options(time_budget=600.0, seed=2), tmp_path / "preview")
+    model, train, rule = spec.model, spec.train, spec.rule
     # what `zlm train DATA --time-budget 10m --seed 2` resolves: the preset, then the rule
     assert rule.regime == "regularised" and rule.tokens_per_s == 1e6
-    assert (model.hidden, model.zoneout_cell, model.zoneout_hidden) == (rule.settings["hidden"], 0.1, 0.05)
-    assert (train.lr, train.schedule.kind, train.eval_every) == (5e-3, "cosine", rule.settings["eval_every"])
+    assert (model.hidden, model.zoneout_cell, model.zoneout_hidden) == (rule.settings.hidden, 0.1, 0.05)
+    assert (train.lr, train.schedule.kind, train.eval_every) == (5e-3, "cosine", rule.settings.eval_every)
     assert (train.time_budget, train.seed, model.vocab_size) == (600.0, 2, data.vocab_size)
     bm, bt = cb.baseline((model, train))
     assert (bm.layers, bm.hidden, bm.embed, bm.zoneout_cell, bm.zoneout_hidden, bm.dropout) == \
@@ -57,13 +59,14 @@ def test_defaults_are_zlm_trains_and_baseline_is_the_plain_lstm(tmp_path, monkey
     # The same validation schedule in tokens: the defaults' windows are 32 x 25, the baseline's 32 x 100.
     assert train.bptt == 25 and bt.eval_every * 3200 == pytest.approx(train.eval_every * 800, abs=5 * 3200)
     assert bm.vocab_size == data.vocab_size
-    # The baseline of a seed shares the rule its defaults run stored, never a new measurement.
+    # The baseline of a seed shares the spec its defaults run stored, never a new measurement.
     run = tmp_path / "defaults-seed2"
     run.mkdir()
-    (run / "config.json").write_text(json.dumps({"defaults_rule": rule.to_dict()}))
-    monkeypatch.setattr(defaults, "probe_tokens_per_s", lambda *a, **k: 1.0)
-    _, bt2, none = cb.run_configs("baseline", data, 2, cb.BenchmarkConfig(), tmp_path)
-    assert none is None and bt2.eval_every == bt.eval_every
+    (run / "config.json").write_text(json.dumps(spec.to_dict()))
+    monkeypatch.setattr(speed_probe, "probe_tokens_per_s", lambda *a, **k: 1.0)
+    planned = cb.run_plan("baseline", data, 2, cb.BenchmarkConfig(), tmp_path)
+    assert planned.spec.rule is None and planned.spec.train == bt and planned.spec.model == bm
+    assert planned.spec.preset == cb.BASELINE.name
 
 
 def test_config_checks():

@@ -11,21 +11,20 @@ import pytest
 import safetensors
 import safetensors.torch
 
-from conftest import shakespeare_text, write_char_dataset
+from conftest import shakespeare_text, train_run, write_char_dataset
+from zlm.core.config import TrainConfig
 from zlm.data.dataset import Dataset
 from zlm.errors import CheckpointError
 from zlm.inference.language_model import load
 from zlm.model.lm import ModelConfig
 from zlm.tools.info import describe
-from zlm.training.config import TrainConfig
-from zlm.training.trainer import train
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("info")
     data = Dataset.open(write_char_dataset(root / "data", shakespeare_text(20_000)))
-    train(root / "run", data, ModelConfig(vocab_size=data.vocab_size, hidden=16, embed=8, layers=2),
+    train_run(root / "run", data, ModelConfig(vocab_size=data.vocab_size, hidden=16, embed=8, layers=2),
           TrainConfig(batch_size=4, bptt=20, max_steps=6, eval_every=3, log_every=100))
     return root / "run"
 

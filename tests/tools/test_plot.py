@@ -15,14 +15,14 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from conftest import shakespeare_text, write_char_dataset
+from conftest import shakespeare_text, train_run, write_char_dataset
 from zlm.cli import app
 from zlm.cli.plot import WIDTH, render_terminal, terminal_lines
+from zlm.core.config import TrainConfig
+from zlm.core.spec import DataRef, Resolved, RunSpec
 from zlm.data.dataset import Dataset
-from zlm.model.lm import ModelConfig
+from zlm.model.config import ModelConfig
 from zlm.tools.curves import Curve, read_run, read_runs, sample_at
-from zlm.training.config import TrainConfig
-from zlm.training.trainer import train
 
 runner = CliRunner()
 
@@ -32,13 +32,12 @@ def write_fake_run(path, hidden=64, zc=0.5, zh=0.05, steps=200, batch_size=4, bp
                    overfit=0.0, results=None):
     """A run directory as zlm train writes it: config.json and metrics.jsonl."""
     path.mkdir(parents=True)
-    config = {"model": {"vocab_size": 65, "hidden": hidden, "layers": 1, "embed": 16,
-                        "zoneout_cell": zc, "zoneout_hidden": zh, "dropout": 0.0},
-              "train": {"batch_size": batch_size, "bptt": bptt, "lr": 0.002, "max_steps": steps,
-                        "schedule": {"kind": "constant"}, "device": "auto"},
-              "data": {"path": "/nonexistent", "tokenizer": {"kind": "char"}, "unit": "character"},
-              "world_size": world_size}
-    (path / "config.json").write_text(json.dumps(config))
+    spec = RunSpec(ModelConfig(vocab_size=65, hidden=hidden, layers=1, embed=16, zoneout_cell=zc,
+                               zoneout_hidden=zh, dropout=0.0),
+                   TrainConfig(batch_size=batch_size, bptt=bptt, lr=0.002, max_steps=steps),
+                   Resolved("fp32", "fused", "compiled"), DataRef("/nonexistent", {"kind": "char"}, "character"),
+                   world_size=world_size)
+    (path / "config.json").write_text(json.dumps(spec.to_dict()))
 
     def bpc(step):  # decays to `floor`, then rises by `overfit` per 100 steps
         return floor + 4.0 * math.exp(-step / 40) + overfit * step / 100
@@ -104,7 +103,7 @@ def test_sample_at_bins():
 
 def test_real_run_has_the_trainers_format(tmp_path):
     data = Dataset.open(write_char_dataset(tmp_path / "data", shakespeare_text(20_000)))
-    train(tmp_path / "run", data, ModelConfig(vocab_size=data.vocab_size, hidden=8, embed=4),
+    train_run(tmp_path / "run", data, ModelConfig(vocab_size=data.vocab_size, hidden=8, embed=4),
           TrainConfig(batch_size=4, bptt=16, max_steps=8, eval_every=4, log_every=2))
     run = read_run(tmp_path / "run")
     assert run.train.steps == (2, 4, 6, 8) and run.valid.steps == (4, 8)

@@ -10,11 +10,12 @@ from typer.testing import CliRunner
 
 from conftest import shakespeare_text, write_char_dataset
 from zlm.cli import app
+from zlm.core.config import Options
 from zlm.data.dataset import Dataset
 from zlm.errors import CheckpointError
-from zlm.training import defaults
-from zlm.training.config import configure
-from zlm.training.defaults import DefaultsRule, RunLength, decide, merge
+from zlm.training import defaults, speed_probe
+from zlm.training.defaults import DefaultsRule, RunLength, decide
+from zlm.training.plan import plan
 from zlm.training.presets import get_preset
 
 runner = CliRunner()
@@ -33,7 +34,7 @@ TEN_MINUTES = 600.0
 def test_size_and_regime_follow_from_corpus_size_and_speed(train_tokens, speed, regime, hidden):
     length = RunLength(train_tokens, time_budget=TEN_MINUTES, vocab_size=65)
     rule = decide(length, speed)
-    assert (rule.regime, rule.settings["hidden"]) == (regime, hidden)
+    assert (rule.regime, rule.settings.hidden) == (regime, hidden)
     # The chosen size trains on >= TOKENS_PER_PARAMETER tokens per parameter, the next one up on fewer.
     p = defaults.parameters(65, hidden, 64)
     p512 = defaults.parameters(65, defaults.PROBE_HIDDEN, 64)
@@ -47,20 +48,20 @@ def test_size_and_regime_follow_from_corpus_size_and_speed(train_tokens, speed, 
     assert rule.expected_epochs == pytest.approx(tokens / train_tokens)
     s = rule.settings
     if regime == "regularised":
-        assert (s["zoneout_cell"], s["zoneout_hidden"]) == (0.1, 0.05)
+        assert (s.zoneout_cell, s.zoneout_hidden) == (0.1, 0.05)
     else:  # nothing overfits in under two passes: the faster plain LSTM reads more
-        assert (s["zoneout_cell"], s["zoneout_hidden"]) == (0.0, 0.0)
-    assert s["reset_prob"] == 0.02  # both: without resets evaluation's cold streams can fail
-    assert (s["layers"], s["embed"], s["schedule"]) == (1, 64, "cosine")
-    assert s["lr"] == (5e-3 if regime == "regularised" else 4e-3)
+        assert (s.zoneout_cell, s.zoneout_hidden) == (0.0, 0.0)
+    assert s.reset_prob == 0.02  # both: without resets evaluation's cold streams can fail
+    assert (s.layers, s.embed, s.schedule) == (1, 64, "cosine")
+    assert s.lr == (5e-3 if regime == "regularised" else 4e-3)
     # Short windows: more updates for the same text (the regularised regime 25, the data-rich 50).
-    assert s["bptt"] == (25 if regime == "regularised" else 50)
-    assert f"bptt {s['bptt']}," in rule.line
+    assert s.bptt == (25 if regime == "regularised" else 50)
+    assert f"bptt {s.bptt}," in rule.line
     # About EVALS_PER_RUN validations in the run, rounded up to tens of steps of 32 x bptt tokens.
-    steps = rule.expected_epochs * train_tokens / (32 * s["bptt"])
-    assert s["eval_every"] >= defaults.MIN_EVAL_EVERY
-    assert steps / s["eval_every"] <= defaults.EVALS_PER_RUN
-    assert s["eval_every"] == defaults.MIN_EVAL_EVERY or steps / (s["eval_every"] - 10) > defaults.EVALS_PER_RUN
+    steps = rule.expected_epochs * train_tokens / (32 * s.bptt)
+    assert s.eval_every >= defaults.MIN_EVAL_EVERY
+    assert steps / s.eval_every <= defaults.EVALS_PER_RUN
+    assert s.eval_every == defaults.MIN_EVAL_EVERY or steps / (s.eval_every - 10) > defaults.EVALS_PER_RUN
     assert f"{rule.expected_epochs:.1f} epochs expected" in rule.line and "measured" in rule.line
     assert f"1x{hidden}," in rule.line
 
@@ -71,7 +72,7 @@ def test_size_and_regime_follow_from_corpus_size_and_speed(train_tokens, speed, 
 ])
 def test_the_regime_threshold_with_an_explicit_size(train_tokens, speed, regime):
     rule = decide(RunLength(train_tokens, time_budget=TEN_MINUTES), speed, hidden=512)
-    assert rule.regime == regime and "hidden" not in rule.settings  # --hidden is the user's
+    assert rule.regime == regime and rule.settings.hidden is None  # --hidden is the user's
     assert rule.expected_epochs == pytest.approx(TEN_MINUTES * 0.9 * speed / train_tokens)
 
 
@@ -99,19 +100,18 @@ def test_epochs_and_steps_need_no_speed_and_the_nearest_limit_counts():
 
 def test_no_length_keeps_the_preset():
     rule = decide(RunLength(1_000_000))
-    assert rule.regime == "open" and rule.settings == {} and rule.expected_epochs is None
+    assert rule.regime == "open" and rule.settings == Options() and rule.expected_epochs is None
     preset = get_preset(None)
-    model, train = configure(preset.model, preset.train, 65, merge(rule, {}))
+    model, train = rule.settings.apply(preset.model, preset.train, 65)
     assert (model, train) == (preset.model.__class__(**{**preset.model.to_dict(), "vocab_size": 65}),
                               preset.train)
 
 
 def test_explicit_options_win():
     rule = decide(RunLength(10_000_000, time_budget=TEN_MINUTES), 14_000.0)
-    options = merge(rule, {"lr": 1e-3, "zoneout_cell": 0.5, "hidden": None, "eval_every": 7})
-    assert options["lr"] == 1e-3 and options["zoneout_cell"] == 0.5 and options["eval_every"] == 7
-    assert options["hidden"] == rule.settings["hidden"] and options["zoneout_hidden"] == 0.0  # None: not given
-    assert merge(None, {"lr": 1e-3}) == {"lr": 1e-3}
+    options = rule.settings | Options(lr=1e-3, zoneout_cell=0.5, hidden=None, eval_every=7)
+    assert options.lr == 1e-3 and options.zoneout_cell == 0.5 and options.eval_every == 7
+    assert options.hidden == rule.settings.hidden and options.zoneout_hidden == 0.0  # None: not given
 
 
 def test_stored_block_round_trips_and_damage_is_one_line():
@@ -126,12 +126,14 @@ def test_stored_block_round_trips_and_damage_is_one_line():
 def test_probe_measures_training_speed_and_leaves_the_rng_alone():
     import torch
 
+    from zlm.training.speed_probe import probe_tokens_per_s
+
     preset = get_preset(None)
-    model, train = configure(preset.model, preset.train, 40, {"hidden": 16, "embed": 8, "batch_size": 4,
-                                                              "bptt": 10, "device": "cpu"})
+    model, train = Options(hidden=16, embed=8, batch_size=4, bptt=10, device="cpu").apply(
+        preset.model, preset.train, 40)
     torch.manual_seed(3)
     before = torch.get_rng_state()
-    speed = defaults.probe_tokens_per_s(model, train, seconds=0.05)
+    speed = probe_tokens_per_s(model, train, seconds=0.05)
     assert speed > 100  # tokens/s of a 16-unit model: thousands
     assert torch.equal(torch.get_rng_state(), before)
 
@@ -141,38 +143,43 @@ def corpus(tmp_path):
     return Dataset.open(write_char_dataset(tmp_path / "data", shakespeare_text(40_000)))
 
 
-def test_for_run_probes_only_for_a_budget_and_reads_the_stored_choice_back(corpus, tmp_path, monkeypatch):
-    preset = get_preset(None)
+def _planned(corpus, tmp_path, name, options, resume=False):
+    return plan(corpus.path, options, out=tmp_path / name, resume=resume)
+
+
+def test_the_plan_probes_only_for_a_budget_and_reads_the_stored_choice_back(corpus, tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(defaults, "probe_tokens_per_s", lambda *a, **k: calls.append(1) or 50_000.0)
-    rule = defaults.for_run(preset, corpus, {"time_budget": 60.0, "hidden": 16})
+    monkeypatch.setattr(speed_probe, "probe_tokens_per_s", lambda *a, **k: calls.append(1) or 50_000.0)
+    spec = _planned(corpus, tmp_path, "a", Options(time_budget=60.0, hidden=16)).spec
+    rule = spec.rule
     assert calls == [1] and rule.regime == "regularised" and rule.tokens_per_s == 50_000.0
-    assert defaults.for_run(preset, corpus, {"max_steps": 10}).regime == "data-rich" and calls == [1]
-    # Resuming: the block in RUN_DIR/config.json, never a new measurement.
+    assert _planned(corpus, tmp_path, "b", Options(max_steps=10)).spec.rule.regime == "data-rich" and calls == [1]
+    # Resuming: the spec in RUN_DIR/config.json, never a new measurement.
     run = tmp_path / "run"
     run.mkdir()
-    (run / "config.json").write_text(json.dumps({"defaults_rule": rule.to_dict()}))
-    monkeypatch.setattr(defaults, "probe_tokens_per_s", lambda *a, **k: pytest.fail("probed on resume"))
-    assert defaults.for_run(preset, corpus, {"time_budget": 60.0}, run_dir=run, resume=True) == rule
-    (run / "config.json").write_text(json.dumps({"model": {}}))  # started before the rule
-    assert defaults.for_run(preset, corpus, {"time_budget": 60.0}, run_dir=run, resume=True) is None
+    (run / "config.json").write_text(json.dumps(spec.to_dict()))
+    monkeypatch.setattr(speed_probe, "probe_tokens_per_s", lambda *a, **k: pytest.fail("probed on resume"))
+    again = _planned(corpus, tmp_path, "run", Options(time_budget=60.0), resume=True).spec
+    assert again.rule == rule and again.model == spec.model and again.resolved == spec.resolved
+    (run / "config.json").write_text(json.dumps({"model": {}}))  # no format: written before formats
+    with pytest.raises(CheckpointError, match="no format number"):
+        _planned(corpus, tmp_path, "run", Options(time_budget=60.0), resume=True)
 
 
-def test_the_regimes_window_counts_the_steps_and_an_explicit_bptt_stays(corpus, monkeypatch):
-    preset = get_preset(None)
-    monkeypatch.setattr(defaults, "probe_tokens_per_s", lambda *a, **k: 50_000.0)
-    ruled = defaults.for_run(preset, corpus, {"time_budget": 60.0, "hidden": 16})
-    given = defaults.for_run(preset, corpus, {"time_budget": 60.0, "hidden": 16, "bptt": 50})
+def test_the_regimes_window_counts_the_steps_and_an_explicit_bptt_stays(corpus, tmp_path, monkeypatch):
+    monkeypatch.setattr(speed_probe, "probe_tokens_per_s", lambda *a, **k: 50_000.0)
+    ruled = _planned(corpus, tmp_path, "a", Options(time_budget=60.0, hidden=16)).spec.rule
+    given = _planned(corpus, tmp_path, "b", Options(time_budget=60.0, hidden=16, bptt=50)).spec.rule
     assert ruled.regime == given.regime == "regularised"
-    assert ruled.settings["bptt"] == 25 and "bptt" not in given.settings and "bptt" not in given.line
+    assert ruled.settings.bptt == 25 and given.settings.bptt is None and "bptt" not in given.line
     assert ruled.expected_epochs == given.expected_epochs
     # The same text between validations: twice the steps at half the window.
-    assert abs(ruled.settings["eval_every"] - 2 * given.settings["eval_every"]) <= 10
+    assert abs(ruled.settings.eval_every - 2 * given.settings.eval_every) <= 10
     # A data-rich run decided from a probe at a window of 100 counts steps of 32 x 50.
     rich = decide(RunLength(10_594_014, time_budget=TEN_MINUTES, tokens_per_step=3200, bptt=100), 14_000.0)
-    assert rich.regime == "data-rich" and rich.settings["bptt"] == 50
+    assert rich.regime == "data-rich" and rich.settings.bptt == 50
     steps = rich.expected_epochs * 10_594_014 / 1600
-    every = rich.settings["eval_every"]
+    every = rich.settings.eval_every
     assert steps / every <= defaults.EVALS_PER_RUN < steps / (every - 10)
 
 
@@ -183,7 +190,7 @@ def test_train_prints_stores_and_resumes_with_the_rule(tmp_path, monkeypatch):
     text = tmp_path / "corpus.txt"
     text.write_text(shakespeare_text(30_000), encoding="utf-8")
     run = tmp_path / "run"
-    monkeypatch.setattr(defaults, "probe_tokens_per_s", lambda *a, **k: 1e6)  # many passes in 2 s
+    monkeypatch.setattr(speed_probe, "probe_tokens_per_s", lambda *a, **k: 1e6)  # many passes in 2 s
     r = runner.invoke(app, ["train", str(text), "--out", str(run), "--time-budget", "2s", *TINY])
     assert r.exit_code == 0, r.output
     assert "with the defaults rule:" in r.output and "so regularise" in r.output
@@ -193,7 +200,7 @@ def test_train_prints_stores_and_resumes_with_the_rule(tmp_path, monkeypatch):
     assert cfg["model"]["hidden"] == 16  # explicit
     assert cfg["train"]["eval_every"] == cfg["defaults_rule"]["settings"]["eval_every"]
     # This machine is now "slow": a fresh decision would be data-rich; the resume keeps its rule.
-    monkeypatch.setattr(defaults, "probe_tokens_per_s", lambda *a, **k: 1.0)
+    monkeypatch.setattr(speed_probe, "probe_tokens_per_s", lambda *a, **k: 1.0)
     r = runner.invoke(app, ["train", str(text), "--out", str(run), "--time-budget", "3s", "--resume", *TINY])
     assert r.exit_code == 0, r.output
     assert "so regularise" in r.output and "resumed from" in r.output

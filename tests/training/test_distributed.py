@@ -21,7 +21,9 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import train_run
 from zlm.core import checkpoint as ckpt
+from zlm.core.config import TrainConfig
 from zlm.core.eval_protocol import EvalProtocol, evaluate_tokens
 from zlm.core.metrics import read_metrics
 from zlm.core.precision import resolve_runtime
@@ -29,9 +31,7 @@ from zlm.data.dataset import Dataset
 from zlm.data.streams import CarryStreams
 from zlm.errors import CheckpointError
 from zlm.model.lm import ModelConfig, ZoneoutLM
-from zlm.training.config import TrainConfig
 from zlm.training.launch import WorkersFailed, run_local
-from zlm.training.trainer import train
 
 pytestmark = pytest.mark.distributed
 
@@ -77,10 +77,10 @@ def _parity_worker(data_dir: str, root: str) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))  # all four runs; setup() reuses it
     data, root = Dataset.open(data_dir), __import__("pathlib").Path(root)
     mc, tc = _cfgs(data)
-    train(root / "ddp", data, mc, tc)
-    train(root / "zero", data, mc, replace(tc, zero=True))
-    train(root / "zero-resumed", data, mc, replace(tc, zero=True, max_steps=STEPS // 2))
-    train(root / "zero-resumed", data, mc, replace(tc, zero=True), resume=True)
+    train_run(root / "ddp", data, mc, tc)
+    train_run(root / "zero", data, mc, replace(tc, zero=True))
+    train_run(root / "zero-resumed", data, mc, replace(tc, zero=True, max_steps=STEPS // 2))
+    train_run(root / "zero-resumed", data, mc, replace(tc, zero=True), resume=True)
     dist.destroy_process_group()
 
 
@@ -99,20 +99,20 @@ def _faulty_worker(data_dir: str, run_dir: str, how: str, max_steps: int) -> Non
             time.sleep(600)
         return loss
 
-    train(__import__("pathlib").Path(run_dir), data, mc, tc, fault=fault)
+    train_run(__import__("pathlib").Path(run_dir), data, mc, tc, fault=fault)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The 2-rank runs (one launch) and the 1-process reference with batch 2B."""
-    from conftest import shakespeare_text, write_char_dataset
+    from conftest import shakespeare_text, train_run, write_char_dataset
 
     root = tmp_path_factory.mktemp("dist")
     data_dir = write_char_dataset(root / "data", shakespeare_text(40_000))
     run_local(_parity_worker, (str(data_dir), str(root)), nproc=2)
     data = Dataset.open(data_dir)
     mc, tc = _cfgs(data, batch_size=2 * B)
-    train(root / "single", data, mc, tc)
+    train_run(root / "single", data, mc, tc)
     return root, data_dir
 
 
@@ -180,7 +180,7 @@ def test_zero_run_resumes_exactly_and_across_world_sizes(runs, tmp_path):
     __import__("shutil").copytree(src, one / "checkpoints" / src.name)
     mc, tc = _cfgs(data, batch_size=2 * B)
     messages = []
-    train(one, data, mc, tc, resume=True, reporter=_Quiet(messages))
+    train_run(one, data, mc, tc, resume=True, reporter=_Quiet(messages))
     assert any("drawn afresh" in m for m in messages)
     want = {s: v for s, v in _losses(root / "single").items() if s > STEPS // 2}
     _assert_close_losses(_losses(one), want)
@@ -191,7 +191,7 @@ def test_zero_run_resumes_exactly_and_across_world_sizes(runs, tmp_path):
     __import__("shutil").copytree(src, other / "checkpoints" / src.name)
     mc, tc = _cfgs(data, batch_size=3)
     with pytest.raises(CheckpointError, match=r"carries 4 training streams .* pass --batch-size 4") as e:
-        train(other, data, mc, tc, resume=True)
+        train_run(other, data, mc, tc, resume=True)
     assert "\n" not in str(e.value)
 
 

@@ -20,17 +20,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import train_run
 from zlm.core import checkpoint as ckpt
+from zlm.core.config import TrainConfig
 from zlm.core.reporter import Reporter
 from zlm.data.dataset import Dataset
 from zlm.data.streams import CarryStreams
 from zlm.errors import ZlmError
 from zlm.model.lm import ModelConfig, ZoneoutLM
-from zlm.training.config import TrainConfig
 from zlm.training.distributed import Parallel
 from zlm.training.schedule import LRSchedule, ScheduleConfig
 from zlm.training.state import Checkpointer, RNGState, TrainState
-from zlm.training.trainer import train
 
 
 def _saver(data: Dataset):
@@ -93,7 +93,7 @@ def test_resume_skips_a_corrupt_newest_checkpoint_and_names_it(tiny_data, tmp_pa
     data = Dataset.open(tiny_data)
     mc = ModelConfig(vocab_size=data.vocab_size, hidden=16, embed=8)
     tc = TrainConfig(batch_size=4, bptt=10, max_steps=4, eval_every=2, log_every=1)
-    train(tmp_path / "run", data, mc, tc)
+    train_run(tmp_path / "run", data, mc, tc)
     bad = tmp_path / "run" / "checkpoints" / "step-00000004" / "model.safetensors"
     bad.write_bytes(bad.read_bytes()[:100])
 
@@ -105,7 +105,7 @@ def test_resume_skips_a_corrupt_newest_checkpoint_and_names_it(tiny_data, tmp_pa
             self.lines.append(text)
 
     rec = Rec()
-    train(tmp_path / "run", data, mc, TrainConfig(**{**tc.to_dict(), "max_steps": 6}), resume=True,
+    train_run(tmp_path / "run", data, mc, TrainConfig(**{**tc.to_dict(), "max_steps": 6}), resume=True,
           reporter=rec)
     assert any("skipping step-00000004" in m and "truncated" in m for m in rec.lines), rec.lines
     assert any("resumed from" in m and "step-00000002" in m for m in rec.lines)
@@ -131,7 +131,7 @@ def tmpfs(tmp_path):
 def _train_small(run, data, steps, resume=False):
     mc = ModelConfig(vocab_size=data.vocab_size, hidden=64, embed=8)
     tc = TrainConfig(batch_size=4, bptt=10, max_steps=steps, eval_every=2, log_every=1, keep_last=5)
-    return train(run, data, mc, tc, resume=resume)
+    return train_run(run, data, mc, tc, resume=resume)
 
 
 def test_disk_full_stops_training_with_one_line_and_keeps_checkpoints(tiny_data, tmpfs):

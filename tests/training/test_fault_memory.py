@@ -13,13 +13,13 @@ import time
 import numpy as np
 import torch
 
+from conftest import train_run
+from zlm.core.config import TrainConfig
 from zlm.core.eval_protocol import EvalProtocol, evaluate_predictions
 from zlm.core.precision import resolve_runtime
 from zlm.data.dataset import Dataset
 from zlm.data.tokenizers import CharTokenizer
 from zlm.model.lm import ModelConfig, ZoneoutLM
-from zlm.training.config import TrainConfig
-from zlm.training.trainer import train
 
 MB = 1024 * 1024
 
@@ -106,7 +106,7 @@ def test_training_from_a_huge_memory_mapped_split_stays_bounded(tmp_path):
     before = _rss_anon_mb()
     mc = ModelConfig(vocab_size=2, hidden=16, embed=4)
     tc = TrainConfig(batch_size=8, bptt=16, max_steps=5, eval_every=5, log_every=1, eval_streams=4)
-    train(tmp_path / "run", data, mc, tc)
+    train_run(tmp_path / "run", data, mc, tc)
     grown = _rss_anon_mb() - before
     assert grown < 150, f"anonymous memory grew by {grown:.0f} MB training on a 2 GB split"
     assert os.path.getsize(data.path / "train.bin") == 2048 * MB

@@ -14,15 +14,14 @@ import torch
 from typer.testing import CliRunner
 
 import zlm.training.trainer
-from conftest import shakespeare_text, write_char_dataset
+from conftest import shakespeare_text, train_run, write_char_dataset
 from zlm.cli import app
 from zlm.core import checkpoint as ckpt
+from zlm.core.config import TrainConfig
 from zlm.core.metrics import read_metrics
 from zlm.data.dataset import Dataset
 from zlm.errors import NonFiniteError
 from zlm.model.lm import ModelConfig
-from zlm.training.config import TrainConfig
-from zlm.training.trainer import train
 
 
 class RecordingStreams:
@@ -78,7 +77,7 @@ def _trainer(path):
 @pytest.mark.parametrize("kill_step", [3, 7])
 def test_sigterm_mid_epoch_resume_sees_the_same_batches(small_data, tmp_path, recorded, state, kill_step):
     mc, tc = _cfgs(small_data, max_steps=30, state=state)
-    train(tmp_path / "a", small_data, mc, tc)
+    train_run(tmp_path / "a", small_data, mc, tc)
     full = list(recorded)
     recorded.clear()
     assert len(full) == 30
@@ -88,14 +87,14 @@ def test_sigterm_mid_epoch_resume_sees_the_same_batches(small_data, tmp_path, re
             os.kill(os.getpid(), signal.SIGTERM)
         return loss
 
-    summary = train(tmp_path / "b", small_data, mc, tc, fault=term)
+    summary = train_run(tmp_path / "b", small_data, mc, tc, fault=term)
     assert summary["interrupted"] == "SIGTERM" and summary["step"] == kill_step
     saved = tmp_path / "b" / "checkpoints" / f"step-{kill_step:08d}"
     # The saved stream position is the one after the last step that ran, mid-epoch.
     assert _trainer(saved)["streams"] == [full[kill_step - 1][2]]
     ckpt.verify(saved)
     assert not float(_trainer(saved)["epoch"]).is_integer()  # mid-epoch
-    train(tmp_path / "b", small_data, mc, tc, resume=True)
+    train_run(tmp_path / "b", small_data, mc, tc, resume=True)
     seen = list(recorded)
     assert len(seen) == 30
     for step, (a, b) in enumerate(zip(full, seen, strict=True), start=1):
@@ -131,7 +130,7 @@ def _check_rotation(run, keep):
 def test_keep_last_and_best_rotation_across_two_resumes(small_data, tmp_path):
     run, keep = tmp_path / "run", 2
     mc, tc = _cfgs(small_data, max_steps=9, eval_every=3, keep_last=keep, lr=3e-2)
-    train(run, small_data, mc, tc)
+    train_run(run, small_data, mc, tc)
     _check_rotation(run, keep)
 
     def term_at_13(step, loss):  # an off-cycle checkpoint (step 13) joins the rotation
@@ -140,11 +139,11 @@ def test_keep_last_and_best_rotation_across_two_resumes(small_data, tmp_path):
         return loss
 
     mc, tc = _cfgs(small_data, max_steps=15, eval_every=3, keep_last=keep, lr=3e-2)
-    assert train(run, small_data, mc, tc, resume=True, fault=term_at_13)["step"] == 13
+    assert train_run(run, small_data, mc, tc, resume=True, fault=term_at_13)["step"] == 13
     _check_rotation(run, keep)
     assert [p.name for p in ckpt.step_dirs(run)] == ["step-00000012", "step-00000013"]
     mc, tc = _cfgs(small_data, max_steps=22, eval_every=3, keep_last=keep, lr=3e-2)
-    train(run, small_data, mc, tc, resume=True)
+    train_run(run, small_data, mc, tc, resume=True)
     _check_rotation(run, keep)
     assert [p.name for p in ckpt.step_dirs(run)] == ["step-00000021", "step-00000022"]
     assert len(_events(run, "eval")) == 8  # 3, 6, 9, 12, 15, 18, 21, 22
@@ -184,7 +183,7 @@ def test_non_finite_validation_never_becomes_best(small_data, tmp_path, monkeypa
                         (run / "best" / "model.safetensors").read_bytes()) == before
         return loss
 
-    train(run, small_data, mc, tc, fault=snapshot)
+    train_run(run, small_data, mc, tc, fault=snapshot)
     assert len(calls) == 3
     finite = [c.bpc for i, c in enumerate(calls, start=1) if i != which]
     best = _trainer(run / "best")
@@ -210,7 +209,7 @@ def test_single_nan_gradient_is_skipped_and_logged(small_data, tmp_path):
     def fault(step, loss):
         return _nan_gradient(loss) if step in (2, 5) else loss
 
-    train(run, small_data, mc, tc, fault=fault)
+    train_run(run, small_data, mc, tc, fault=fault)
     bad = _events(run, "nonfinite")
     assert [r["step"] for r in bad] == [3, 6]
     assert all(math.isfinite(r["loss"]) and not math.isfinite(r["grad_norm"]) for r in bad)
@@ -227,7 +226,7 @@ def test_skipped_nan_gradient_leaves_weights_unchanged(small_data, tmp_path):
     run whose step 2 had a NaN gradient equals its step-2 checkpoint."""
     run = tmp_path / "run"
     mc, tc = _cfgs(small_data, max_steps=2, eval_every=1, keep_last=5)
-    train(run, small_data, mc, tc, fault=lambda s, loss: _nan_gradient(loss) if s == 1 else loss)
+    train_run(run, small_data, mc, tc, fault=lambda s, loss: _nan_gradient(loss) if s == 1 else loss)
     a = ckpt.read_tensors(run / "checkpoints" / "step-00000001" / "model.safetensors")[0]
     b = ckpt.read_tensors(run / "checkpoints" / "step-00000002" / "model.safetensors")[0]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -244,7 +243,7 @@ def test_nan_gradients_in_a_row_stop_with_exit_code_3(small_data, tmp_path):
         return _nan_gradient(loss) if step >= 7 else loss
 
     with pytest.raises(NonFiniteError) as e:
-        train(run, small_data, mc, tc, fault=fault)
+        train_run(run, small_data, mc, tc, fault=fault)
     msg = str(e.value)
     assert e.value.exit_code == NonFiniteError.exit_code == 3
     assert "\n" not in msg and "4 non-finite losses in a row at step 11" in msg
@@ -258,7 +257,7 @@ def test_nan_gradients_in_a_row_stop_with_exit_code_3(small_data, tmp_path):
     assert all(torch.isfinite(t).all() for t in tensors.values())
     # And the run resumes from there (without the fault) and finishes.
     mc, tc = _cfgs(small_data, max_steps=12, eval_every=3, max_nonfinite=4)
-    assert train(run, small_data, mc, tc, resume=True)["step"] == 12
+    assert train_run(run, small_data, mc, tc, resume=True)["step"] == 12
 
 
 def _cli_train_tiny(tmp_path, lr: str, max_steps: int, eval_every: int, *extra: str):

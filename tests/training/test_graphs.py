@@ -16,14 +16,15 @@ from functools import partial
 import pytest
 import torch
 
+from conftest import train_run
+from zlm.core.config import TrainConfig
 from zlm.core.precision import Runtime
 from zlm.data.dataset import Dataset
 from zlm.errors import UsageError
 from zlm.model.cells import choose_cell
 from zlm.model.lm import ModelConfig, ZoneoutLM, token_nll
-from zlm.training.config import TrainConfig
 from zlm.training.graphs import CapturedStep, WindowStep, graphs_unavailable_reason, resolve_graphs
-from zlm.training.trainer import forward_backward, train
+from zlm.training.step import forward_backward
 
 CPU = Runtime(torch.device("cpu"), "fp32")
 CUDA = Runtime(torch.device("cuda"), "fp32")
@@ -109,11 +110,11 @@ def test_trainer_says_graphs_are_off_on_cpu(tiny_data, tmp_path):
 
     rep = Rec()
     cfg = TrainConfig(batch_size=4, bptt=16, max_steps=2, eval_every=2, device="cpu")
-    train(tmp_path / "run", Dataset.open(tiny_data), ModelConfig(vocab_size=Dataset.open(tiny_data).vocab_size,
+    train_run(tmp_path / "run", Dataset.open(tiny_data), ModelConfig(vocab_size=Dataset.open(tiny_data).vocab_size,
           hidden=16, embed=8), cfg, reporter=rep)
     assert rep.start_info["cuda graphs"] == "off (not on CUDA)"
     with pytest.raises(UsageError, match="--cuda-graphs on is not possible here"):
-        train(tmp_path / "run2", Dataset.open(tiny_data), ModelConfig(vocab_size=Dataset.open(tiny_data).vocab_size,
+        train_run(tmp_path / "run2", Dataset.open(tiny_data), ModelConfig(vocab_size=Dataset.open(tiny_data).vocab_size,
               hidden=16, embed=8), TrainConfig(batch_size=4, bptt=16, max_steps=2, device="cpu",
                                                 cuda_graphs="on"), reporter=rep)
 
@@ -194,8 +195,8 @@ def test_trainer_through_the_replay_path_equals_eager(tiny_data, tmp_path, monke
             monkeypatch.setattr(zt, "graphs_unavailable_reason", lambda *a, **k: None)
         cfg = TrainConfig(batch_size=4, bptt=16, max_steps=6, eval_every=3, device="cpu",
                           cuda_graphs="on" if graphs else "off")
-        train(tmp_path / name, data, mc, cfg)
-        train(tmp_path / name, data, mc, TrainConfig(**{**cfg.to_dict(), "max_steps": 10}), resume=True)
+        train_run(tmp_path / name, data, mc, cfg)
+        train_run(tmp_path / name, data, mc, TrainConfig(**{**cfg.to_dict(), "max_steps": 10}), resume=True)
         monkeypatch.undo()
         events = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         assert [e["cuda_graphs"] for e in events if e["event"] == "start"] == [graphs, graphs]
@@ -257,7 +258,7 @@ def test_training_with_graphs_cuda(tiny_data, tmp_path):
     data = Dataset.open(tiny_data)
     cfg = TrainConfig(batch_size=8, bptt=32, max_steps=60, eval_every=60, device="cuda", precision="bf16",
                       cuda_graphs="on", lr=3e-3)
-    summary = train(tmp_path / "run", data, ModelConfig(vocab_size=data.vocab_size, hidden=64, embed=16), cfg)
+    summary = train_run(tmp_path / "run", data, ModelConfig(vocab_size=data.vocab_size, hidden=64, embed=16), cfg)
     steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     losses = [s["loss"] for s in steps if s["event"] == "step"]
     assert len(losses) == 60 and losses[-1] < losses[0] - 0.5

@@ -6,13 +6,13 @@ import json
 
 import torch
 
+from conftest import train_run
+from zlm.core.config import TrainConfig
 from zlm.core.metrics import read_metrics
 from zlm.data.dataset import Dataset
 from zlm.model.cells import choose_cell
 from zlm.model.lm import ModelConfig
 from zlm.training import resolve
-from zlm.training.config import TrainConfig
-from zlm.training.trainer import train
 
 CPU = torch.device("cpu")
 
@@ -25,7 +25,7 @@ def _cfgs(data: Dataset, **kw):
 
 def test_a_fresh_run_stores_what_auto_became(tiny_data, tmp_path):
     data = Dataset.open(tiny_data)
-    train(tmp_path / "run", data, *_cfgs(data))
+    train_run(tmp_path / "run", data, *_cfgs(data))
     config = json.loads((tmp_path / "run" / "config.json").read_text())
     assert config["train"]["precision"] == "auto" and config["train"]["cell"] == "auto"  # as given
     want = resolve.resolve_fresh(TrainConfig(device="cpu"), ModelConfig(vocab_size=5, zoneout_cell=0.2), CPU)
@@ -40,10 +40,10 @@ def test_resume_never_re_resolves_auto(tiny_data, tmp_path, monkeypatch):
     data = Dataset.open(tiny_data)
     mc, tc = _cfgs(data)
     monkeypatch.setattr("zlm.core.precision.cpu_bf16_native", lambda flags=None: False)
-    train(tmp_path / "run", data, mc, tc)  # started on a CPU without native bf16
+    train_run(tmp_path / "run", data, mc, tc)  # started on a CPU without native bf16
     monkeypatch.setattr("zlm.core.precision.cpu_bf16_native", lambda flags=None: True)
     assert resolve.resolve_fresh(tc, mc, CPU).precision == "bf16"  # what a re-resolution would give
-    train(tmp_path / "run", data, mc, TrainConfig(**{**tc.to_dict(), "max_steps": 4}), resume=True)
+    train_run(tmp_path / "run", data, mc, TrainConfig(**{**tc.to_dict(), "max_steps": 4}), resume=True)
     starts = [e for e in read_metrics(tmp_path / "run" / "metrics.jsonl") if e["event"] == "start"]
     assert [s["runtime"] for s in starts] == ["cpu fp32", "cpu fp32"]
     assert json.loads((tmp_path / "run" / "config.json").read_text())["resolved"]["precision"] == "fp32"
@@ -55,7 +55,7 @@ def test_auto_runs_torchs_lstm_kernel_without_zoneout(tiny_data, tmp_path):
     data = Dataset.open(tiny_data)
     mc, tc = _cfgs(data, zc=0.0)
     mc = ModelConfig(**{**mc.to_dict(), "zoneout_hidden": 0.0})
-    train(tmp_path / "run", data, mc, tc)
+    train_run(tmp_path / "run", data, mc, tc)
     config = json.loads((tmp_path / "run" / "config.json").read_text())
     assert config["resolved"]["cell"] == "plain" and config["resolved"]["kernel"] == "plain"
     start = [e for e in read_metrics(tmp_path / "run" / "metrics.jsonl") if e["event"] == "start"][0]

@@ -10,13 +10,13 @@ import signal
 import pytest
 import torch
 
+from conftest import train_run
+from zlm.core.config import TrainConfig
 from zlm.core.metrics import read_metrics
 from zlm.core.reporter import Reporter
 from zlm.data.dataset import Dataset
 from zlm.errors import DataError, NonFiniteError, UsageError
 from zlm.model.lm import ModelConfig
-from zlm.training.config import TrainConfig
-from zlm.training.trainer import train
 
 
 class Recorder(Reporter):
@@ -45,11 +45,11 @@ def test_resume_is_bit_identical(tiny_data, tmp_path, cell, state):
     data = Dataset.open(tiny_data)
     kw = dict(state="carry", reset_prob=0.3) if state == "carry+resets" else dict(state=state)
     mc, tc = _cfgs(data, max_steps=14, cell=cell, **kw)
-    train(tmp_path / "a", data, mc, tc)
+    train_run(tmp_path / "a", data, mc, tc)
     mc, half = _cfgs(data, max_steps=7, cell=cell, **kw)
-    train(tmp_path / "b", data, mc, half)
+    train_run(tmp_path / "b", data, mc, half)
     rec = Recorder()
-    train(tmp_path / "b", data, mc, tc, resume=True, reporter=rec)
+    train_run(tmp_path / "b", data, mc, tc, resume=True, reporter=rec)
     assert any("resumed from" in m for m in rec.messages)
     a, b = _losses(tmp_path / "a"), _losses(tmp_path / "b")
     assert [s for s, _ in b] == list(range(1, 15))
@@ -64,17 +64,17 @@ def test_resume_is_bit_identical(tiny_data, tmp_path, cell, state):
 def test_sigterm_saves_and_resume_continues_exactly(tiny_data, tmp_path):
     data = Dataset.open(tiny_data)
     mc, tc = _cfgs(data, max_steps=12, eval_every=100)
-    train(tmp_path / "a", data, mc, tc)
+    train_run(tmp_path / "a", data, mc, tc)
 
     def kill_at_5(step, loss):
         if step == 4:  # during the 5th step: the step completes, then the loop stops
             os.kill(os.getpid(), signal.SIGTERM)
         return loss
 
-    summary = train(tmp_path / "b", data, mc, tc, fault=kill_at_5)
+    summary = train_run(tmp_path / "b", data, mc, tc, fault=kill_at_5)
     assert summary["interrupted"] == "SIGTERM" and summary["step"] == 5
     assert (tmp_path / "b" / "checkpoints" / "step-00000005" / "checkpoint.json").exists()
-    train(tmp_path / "b", data, mc, tc, resume=True)
+    train_run(tmp_path / "b", data, mc, tc, resume=True)
     assert _losses(tmp_path / "a") == _losses(tmp_path / "b")
 
 
@@ -85,9 +85,9 @@ def test_non_empty_run_dir_is_refused_and_resume_without_checkpoint_starts_fresh
     run.mkdir()
     (run / "notes.txt").write_text("mine")
     with pytest.raises(UsageError, match="--resume"):
-        train(run, data, mc, tc)
+        train_run(run, data, mc, tc)
     rec = Recorder()
-    train(run, data, mc, tc, resume=True, reporter=rec)
+    train_run(run, data, mc, tc, resume=True, reporter=rec)
     assert any("starting fresh" in m for m in rec.messages)
     assert (run / "notes.txt").read_text() == "mine"
 
@@ -100,7 +100,7 @@ def test_nonfinite_losses_skip_updates_then_stop(tiny_data, tmp_path):
         return loss * float("nan") if step >= 4 else loss
 
     with pytest.raises(NonFiniteError, match=r"last good checkpoint is \S+step-0000000[36]") as e:
-        train(tmp_path / "run", data, mc, tc, fault=nan_after_4)
+        train_run(tmp_path / "run", data, mc, tc, fault=nan_after_4)
     assert e.value.exit_code == 3
     last_good = e.value.args[0].split("checkpoint is ")[1].split(";")[0]
     events = read_metrics(tmp_path / "run" / "metrics.jsonl")
@@ -121,7 +121,7 @@ def test_single_nonfinite_step_is_not_applied(tiny_data, tmp_path):
     def nan_at_1(step, loss):
         return loss * float("inf") if step == 1 else loss
 
-    summary = train(tmp_path / "run", data, mc, tc, fault=nan_at_1)
+    summary = train_run(tmp_path / "run", data, mc, tc, fault=nan_at_1)
     assert summary["step"] == 3
     events = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in events if r["event"] == "nonfinite"] == [2]
@@ -129,12 +129,12 @@ def test_single_nonfinite_step_is_not_applied(tiny_data, tmp_path):
 
 
 def test_corpus_too_small_is_a_clear_error(tmp_path):
-    from conftest import write_char_dataset
+    from conftest import train_run, write_char_dataset
 
     data = Dataset.open(write_char_dataset(tmp_path / "d", "abcdefghij" * 30))
     mc, tc = _cfgs(data, batch_size=32, bptt=100, max_steps=1)
     with pytest.raises(DataError, match="--batch-size"):
-        train(tmp_path / "run", data, mc, tc)
+        train_run(tmp_path / "run", data, mc, tc)
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
@@ -142,7 +142,7 @@ def test_loss_falls_and_checkpoints_hold_only_safetensors_and_json(tiny_data, tm
     data = Dataset.open(tiny_data)
     mc = ModelConfig(vocab_size=data.vocab_size, hidden=64, embed=16, zoneout_cell=0.0, zoneout_hidden=0.0)
     tc = TrainConfig(batch_size=16, bptt=32, max_steps=120, eval_every=60, log_every=20, lr=2e-2, seed=1)
-    summary = train(tmp_path / "run", data, mc, tc)
+    summary = train_run(tmp_path / "run", data, mc, tc)
     train_bpc = [r["train_bpc"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")
                  if r["event"] == "train"]
     # From ~log2(V) = 5.9 down to where letter frequencies and spaces are learnt.

@@ -19,11 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
+from zlm.core.config import DEVICES, PRECISIONS  # noqa: F401 (re-exported)
 from zlm.errors import UsageError
 from zlm.model.cells.cpu_ext import cpu_flags
 
-DEVICES = ("auto", "cpu", "cuda")
-PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 

@@ -1,13 +1,8 @@
 """Loading a checkpoint into a ready model, tokenizer and runtime (`load_model`).
 
-What `zlm eval`, `zlm sample` and the Python API (`zlm.inference.language_model`) share:
-
-    lm = zlm.load("runs/shakespeare")          # RUN_DIR (best/, else latest) or checkpoint
-    lm.evaluate_text("To be, or not to be")    # -> zlm.core.metrics.Score (bpc, perplexity, ...)
-    lm.evaluate_split("test")                  # the split of the DATA_DIR it was trained on
-    lm.sample(prime="ROMEO:", length=200, temperature=0.8, seed=1)   # -> str
-
-Loading verifies the manifest (sizes and SHA-256), builds the model from config.json
+What `zlm eval`, `zlm sample`, `zlm score`, `zlm compress` and the Python API
+(`zlm.inference.language_model`) share. Loading verifies the manifest (sizes and
+SHA-256), reads the run's spec (`zlm.core.spec`), builds the model from it
 and loads the tensors strictly, so a checkpoint whose config and tensors disagree is a
 one-line `CheckpointError` even when its manifest was rewritten to match. The model is
 left in eval mode: zoneout uses its expectation, dropout is off.
@@ -23,6 +18,7 @@ import torch
 from zlm.core import checkpoint as ckpt
 from zlm.core.checkpoint import check_weights, load_weights
 from zlm.core.precision import Runtime, resolve_runtime
+from zlm.core.spec import RunSpec
 from zlm.data.tokenizers import Tokenizer, load_tokenizer
 from zlm.errors import CheckpointError, ZlmError
 from zlm.model.cells import CellChoice, choose_cell
@@ -40,7 +36,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     runtime: Runtime
     path: Path  # the checkpoint directory actually loaded (e.g. RUN_DIR/best)
-    config: dict  # config.json: {"model", "train", "data", ...}
+    spec: RunSpec  # config.json: the run's spec
     cell: CellChoice
 
     @property
@@ -54,7 +50,7 @@ class LoadedModel:
         A run directory that was moved (or copied to another machine) no longer finds the
         absolute path it recorded; then RUN_DIR/data, beside best/ or checkpoints/, is used.
         """
-        p = self.config.get("data", {}).get("path")
+        p = self.spec.data.path
         recorded = Path(p) if p else None
         if recorded is not None and (recorded / "dataset.json").is_file():
             return recorded
@@ -69,18 +65,6 @@ class LoadedModel:
                 f"{c.layers}x{c.hidden}, {self.runtime.describe()}, cell {self.cell.name})")
 
 
-def model_config_of(config: dict, path: Path) -> ModelConfig:
-    """config.json's "model" object -> ModelConfig, or a CheckpointError naming the problem."""
-    try:
-        return ModelConfig(**config["model"])
-    except (KeyError, TypeError) as e:
-        raise CheckpointError(f"{path}/config.json has no usable model config ({e}); "
-                              "the checkpoint is damaged: use another one") from None
-    except ZlmError as e:
-        raise CheckpointError(f"{path}/config.json has an invalid model config ({e}); "
-                              "the checkpoint is damaged: use another one") from None
-
-
 def load_model(path, device: str = "auto", precision: str = "fp32", cell: str = "auto",
                cls: type[LoadedModel] | None = None) -> LoadedModel:
     """Load a RUN_DIR (its best/, else latest complete checkpoint) or a checkpoint directory.
@@ -91,12 +75,10 @@ def load_model(path, device: str = "auto", precision: str = "fp32", cell: str = 
     """
     runtime = resolve_runtime(device, precision)
     loaded = ckpt.load(path)  # resolves, verifies the manifest deeply, reads the tensors
-    config = loaded.config
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{loaded.path}/config.json is not a JSON object; use another checkpoint")
-    model_cfg = model_config_of(config, loaded.path)
+    spec = RunSpec.from_dict(loaded.config, f"{loaded.path}/config.json")
+    model_cfg = spec.model
     meta = ckpt.read_json(loaded.path / "dataset.json", "dataset description")
-    tok_meta = meta.get("tokenizer") or config.get("data", {}).get("tokenizer")
+    tok_meta = meta.get("tokenizer") or spec.data.tokenizer
     if not isinstance(tok_meta, dict):
         raise CheckpointError(f"{loaded.path}/dataset.json names no tokenizer; use another checkpoint")
     try:
@@ -123,4 +105,4 @@ def load_model(path, device: str = "auto", precision: str = "fp32", cell: str = 
     model.to(runtime.device).eval()
     for p in model.parameters():
         p.requires_grad_(False)
-    return (cls or LoadedModel)(model, tokenizer, runtime, loaded.path, config, choice)
+    return (cls or LoadedModel)(model, tokenizer, runtime, loaded.path, spec, choice)

@@ -9,7 +9,6 @@ checkpoint loads under any of them.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
@@ -19,36 +18,9 @@ from zlm.errors import UsageError
 from zlm.model.cells import CellFn
 from zlm.model.cells.masks import MASK_DRAW, draw_keep
 from zlm.model.cells.reference import zoneout_lstm_reference
+from zlm.model.config import ModelConfig
 
 State = tuple[Tensor, Tensor]  # h, c: each (L, B, H)
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Shape and regularisation of the model (stored in config.json)."""
-
-    vocab_size: int = 0  # tokens; 0 only in presets, before the data is known
-    hidden: int = 512  # units per LSTM layer
-    layers: int = 1  # stacked zoneout LSTM layers
-    embed: int = 128  # embedding width fed to the first layer
-    zoneout_cell: float = 0.5  # z_c: probability a cell unit keeps its previous value
-    zoneout_hidden: float = 0.05  # z_h: probability a hidden unit keeps its previous value
-    dropout: float = 0.0  # non-recurrent dropout: embedding, between layers, before decoder
-
-    def __post_init__(self):
-        if self.vocab_size < 0:
-            raise UsageError(f"vocab_size must be >= 1, got {self.vocab_size}")
-        for name in ("hidden", "layers", "embed"):
-            if getattr(self, name) < 1:
-                raise UsageError(f"--{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("zoneout_cell", "zoneout_hidden", "dropout"):
-            v = getattr(self, name)
-            if not 0.0 <= v < 1.0:
-                flag = "--" + name.replace("_", "-")
-                raise UsageError(f"{flag} must be in [0, 1), got {v}")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 class ZoneoutLSTMLayer(nn.Module):

@@ -13,7 +13,7 @@ The two settings:
 
 - "defaults": exactly what `zlm train SOURCE --time-budget T --seed S` resolves
   (`zlm_defaults`, the one place that asks the training layer for its defaults);
-- "baseline": the fast plain LSTM of issue 16: zoneout 0 for both states, 1x512, embed
+- "baseline": a fast plain LSTM: zoneout 0 for both states, 1x512, embed
   64, Adam 2e-3 constant, clip 1, batch 32, bptt 100, state carried, no resets, with the
   defaults' precision, device, cell choice and validation schedule (--eval-every), so
   the time budget buys the same kind of training and validation for both.
@@ -30,31 +30,32 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from zlm.core import checkpoint as ckpt
+from zlm.core.config import Options, ScheduleConfig, TrainConfig
 from zlm.core.reporter import Reporter
+from zlm.core.spec import RunSpec, read_spec
 from zlm.data import benchmark_corpora as benchmark
 from zlm.data.dataset import Dataset
 from zlm.errors import UsageError, ZlmError
-from zlm.model.lm import ModelConfig
+from zlm.model.config import ModelConfig
 from zlm.tools.curves import read_run, read_runs
 from zlm.tools.recipes import RecipeResult, ReporterFactory, score_run
-from zlm.training import defaults
-from zlm.training.config import TrainConfig, configure
-from zlm.training.defaults import DefaultsRule
-from zlm.training.presets import get_preset
-from zlm.training.schedule import ScheduleConfig
-from zlm.training.trainer import train
+from zlm.training.plan import Plan, plan
+from zlm.training.presets import Preset
+from zlm.training.runner import run
 
 NAME = "corpora-benchmark"
 SETTINGS = ("defaults", "baseline")
 DEFAULT_MINUTES = 10.0
 DEFAULT_SEEDS = (1, 2)
-WIN_MARGIN = 0.03  # issue 16: the defaults' mean must be this much below the baseline's
-# The baseline (issue 16): the fields it fixes; everything else follows the defaults.
+WIN_MARGIN = 0.03  # the defaults win when their mean is this much below the baseline's
+# The baseline: the fields it fixes; everything else follows the defaults.
 BASELINE_MODEL = dict(hidden=512, layers=1, embed=64, zoneout_cell=0.0, zoneout_hidden=0.0,
                       dropout=0.0)
 BASELINE_TRAIN = dict(batch_size=32, bptt=100, lr=2e-3, optimizer="adam", weight_decay=0.0,
                       clip=1.0, schedule=ScheduleConfig(kind="constant"), state="carry",
                       reset_prob=0.0)
+BASELINE = Preset("plain-baseline", "the corpora benchmark's plain LSTM",
+                  ModelConfig(**BASELINE_MODEL), TrainConfig(**BASELINE_TRAIN))
 SHARED_TRAIN = ("eval_every", "eval_streams", "device", "precision", "cell", "cuda_graphs",
                 "keep_last", "log_every", "max_nonfinite")  # the baseline takes the defaults'
 SIZE_OPTIONS = ("hidden", "layers", "embed", "batch_size", "bptt", "eval_every", "log_every",
@@ -118,18 +119,13 @@ def parse_seeds(text: str) -> tuple[int, ...]:
 # ------------------------------------------------------------------ the two settings
 
 
-def zlm_defaults(data: Dataset, options: dict, rule_dir: Path | None = None,
-                 on_event=None) -> tuple[ModelConfig, TrainConfig, DefaultsRule | None]:
-    """What `zlm train SOURCE` resolves with only `options` given (--time-budget, --seed):
-    the default preset, the defaults rule's choice for `data` and this machine, then
-    `options`, the same path as `zlm.training.runner.plan_run`. rule_dir: a run whose
-    stored choice to take instead of deciding again (a resumed run, or the baseline next
-    to the defaults run of its seed)."""
-    preset = get_preset(None)
-    resume = rule_dir is not None and (rule_dir / "config.json").is_file()
-    rule = defaults.for_run(preset, data, options, run_dir=rule_dir, resume=resume, on_event=on_event)
-    model, train_cfg = configure(preset.model, preset.train, data.vocab_size, defaults.merge(rule, options))
-    return model, train_cfg, rule
+def zlm_defaults(data: Dataset, options: Options, rule_dir: Path | None = None) -> RunSpec:
+    """What `zlm train DATA_DIR` plans with only `options` given (--time-budget, --seed):
+    `zlm.training.plan.plan` itself. rule_dir: a run whose stored spec to take instead of
+    deciding again (a resumed run, or the baseline next to the defaults run of its seed)."""
+    if rule_dir is not None and (rule_dir / "config.json").is_file():
+        return read_spec(rule_dir)
+    return plan(data.path, options, out=rule_dir, resume=True).spec
 
 
 def baseline(defaults_cfgs: tuple[ModelConfig, TrainConfig]) -> tuple[ModelConfig, TrainConfig]:
@@ -149,19 +145,20 @@ def baseline(defaults_cfgs: tuple[ModelConfig, TrainConfig]) -> tuple[ModelConfi
             TrainConfig(**BASELINE_TRAIN, **shared))
 
 
-def run_configs(setting: str, data: Dataset, seed: int, config: BenchmarkConfig,
-                out: Path | None = None) -> tuple[ModelConfig, TrainConfig, DefaultsRule | None]:
-    """The resolved configs of one run (and the rule's decision, for the defaults);
-    config.sizes (tests) replace values in both. out: OUT/<corpus>, where the defaults
-    run of this seed stores the rule's decision that its baseline shares."""
-    rule_dir = None if out is None else out / f"defaults-seed{seed}"
-    model, train_cfg, rule = zlm_defaults(data, {**config.budget(), "seed": seed, **(config.sizes or {})},
-                                          rule_dir)
-    if setting == "baseline":
-        (model, train_cfg), rule = baseline((model, train_cfg)), None
-    if config.sizes:
-        model, train_cfg = configure(model, train_cfg, data.vocab_size, config.sizes)
-    return model, train_cfg, rule
+def run_plan(setting: str, data: Dataset, seed: int, config: BenchmarkConfig, out: Path,
+             resume: bool = False, reporter: Reporter | None = None) -> Plan:
+    """The plan of one run into OUT/<corpus>/<setting>-seed<N>; config.sizes (tests) replace
+    values in both settings. The baseline takes the budget, seed and validation schedule
+    of the defaults run of its seed (its stored spec, or planned now)."""
+    run_dir = out / f"{setting}-seed{seed}"
+    options = Options(**config.budget(), seed=seed) | Options(**(config.sizes or {}))
+    if setting == "defaults":
+        return plan(data.path, options, out=run_dir, resume=resume, reporter=reporter)
+    spec = zlm_defaults(data, options, out / f"defaults-seed{seed}")
+    model, train_cfg = baseline((spec.model, spec.train))
+    model, train_cfg = Options(**(config.sizes or {})).apply(model, train_cfg, data.vocab_size)
+    return plan(data.path, Options.of(model, train_cfg), out=run_dir, preset=BASELINE, resume=resume,
+                reporter=reporter)
 
 
 # ------------------------------------------------------------------ running
@@ -182,16 +179,19 @@ def prepare_corpus(corpus: benchmark.BenchCorpus, config: BenchmarkConfig, out: 
                                                    unknown="include", mirror=config.mirror))
 
 
-def train_once(run_dir: Path, data: Dataset, model: ModelConfig, train_cfg: TrainConfig,
-               make_reporter: ReporterFactory, rule: DefaultsRule | None = None) -> None:
+def train_once(setting: str, data: Dataset, seed: int, config: BenchmarkConfig, out: Path,
+               make_reporter: ReporterFactory) -> Plan:
     """Train one run, resume it from its latest checkpoint, or keep it when finished."""
-    if (run_dir / "metrics.jsonl").is_file() and read_run(run_dir).finished:
-        return
+    run_dir = out / f"{setting}-seed{seed}"
     resume = run_dir.is_dir() and any(run_dir.iterdir())
-    summary = train(run_dir, data, model, train_cfg, resume=resume, reporter=make_reporter(), rule=rule)
-    if summary.get("interrupted"):
+    if resume and (run_dir / "metrics.jsonl").is_file() and read_run(run_dir).finished:
+        return Plan(run_dir, read_spec(run_dir))
+    rep = make_reporter()
+    planned = run_plan(setting, data, seed, config, out, resume, rep)
+    if run(planned, rep).interrupted:
         raise ZlmError(f"interrupted during {run_dir} (checkpoint saved); run the same zlm "
                        "recipe command again to continue")
+    return planned
 
 
 def corpus_info(corpus: benchmark.BenchCorpus, data: Dataset) -> dict:
@@ -220,12 +220,10 @@ def corpora_benchmark(config: BenchmarkConfig = BenchmarkConfig(),
         if corpus.name not in done:
             infos.append(corpus_info(corpus, data))
             done.add(corpus.name)
-        run_dir = out / corpus.name / f"{setting}-seed{seed}"
-        model, train_cfg, rule = run_configs(setting, data, seed, config, out / corpus.name)
-        rep.message(f"[{i + 1}/{len(runs)}] {corpus.name}, {setting}, seed {seed}: {run_dir}"
-                    + (f" ({rule.line})" if rule is not None else ""))
-        train_once(run_dir, data, model, train_cfg, make_reporter, rule)
-        row = score_run(run_dir, setting, train_cfg.device)
+        rep.message(f"[{i + 1}/{len(runs)}] {corpus.name}, {setting}, seed {seed}: "
+                    f"{out / corpus.name / f'{setting}-seed{seed}'}")
+        planned = train_once(setting, data, seed, config, out / corpus.name, make_reporter)
+        row = score_run(planned.run_dir, setting, planned.spec.train.device)
         rows.append({**row, "corpus": corpus.name, "seed": seed})
     return _finish(out, config, infos, rows, rep)
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from zlm.core.checkpoint import read_json_or_none
+from zlm.core.spec import read_spec
 from zlm.tools.curves import RunCurves, read_runs
 
 # Settings that never change what is learned, or are always equal by construction.
@@ -86,7 +87,7 @@ def result_row(run: RunCurves) -> dict:
 def compare_runs(run_dirs) -> Comparison:
     """Read each run directory; UsageError (one line) for one that is not a run."""
     runs = read_runs(run_dirs)
-    configs = [read_json_or_none(r.path / "config.json") or {} for r in runs]
+    configs = [read_spec(r.path).to_dict() for r in runs]
     keys = differing(configs)
     names = [short_name(k) for k in keys]
     if len(set(names)) < len(names):  # the same name under model and train: keep both whole

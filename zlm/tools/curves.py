@@ -21,6 +21,7 @@ from pathlib import Path
 
 from zlm.core.checkpoint import read_json_or_none
 from zlm.core.metrics import LN2, read_metrics
+from zlm.core.spec import read_spec
 from zlm.errors import UsageError
 
 
@@ -107,7 +108,7 @@ def read_run(run_dir) -> RunCurves:
     if not (run_dir / "metrics.jsonl").is_file() or not (run_dir / "config.json").is_file():
         raise UsageError(f"{run_dir} is not a run directory (no metrics.jsonl and config.json); "
                          "pass the --out directory of a zlm train run")
-    config = read_json_or_none(run_dir / "config.json") or {}
+    config = read_spec(run_dir).to_dict()
     events = read_metrics(run_dir / "metrics.jsonl")
     tc = config.get("train", {})
     world = int(config.get("world_size") or 1)

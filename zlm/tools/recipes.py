@@ -21,13 +21,14 @@ from pathlib import Path
 
 from zlm.core import checkpoint as ckpt
 from zlm.core.checkpoint import read_json_or_none
+from zlm.core.config import Options
 from zlm.core.reporter import Reporter
 from zlm.data.dataset import Dataset
 from zlm.errors import UsageError, ZlmError
 from zlm.tools.curves import read_run, read_runs
-from zlm.training.config import configure
-from zlm.training.presets import get_preset
-from zlm.training.trainer import train
+from zlm.training.plan import plan
+from zlm.training.presets import DEFAULT_PRESET
+from zlm.training.runner import run
 
 # (run directory, setting, z_c, z_h): the paper's (Krueger et al. 2016) ablation.
 ABLATION = (
@@ -71,7 +72,7 @@ class RecipeConfig:
             raise UsageError(f"--max-steps must be >= 1, got {self.max_steps}")
 
     def overrides(self) -> dict:
-        """The explicit model/training options, for zlm.training.config.configure."""
+        """The explicit model/training options (`zlm.core.config.Options` fields)."""
         keys = ("hidden", "layers", "embed", "batch_size", "bptt", "lr", "eval_every",
                 "log_every", "seed", "device")
         return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
@@ -119,7 +120,7 @@ def prepare_once(config: RecipeConfig, out: Path, rep: Reporter) -> Dataset:
 
     if not Path(config.corpus).exists() and config.corpus not in catalog.names():
         raise UsageError(f"--corpus {config.corpus}: no such file or corpus name; pass a text "
-                         "file, e.g. --corpus ../shared/corpora/tinyshakespeare/input.txt")
+                         "file, e.g. --corpus input.txt")
     rep.message(f"preparing {config.corpus} into {data_dir} (char tokenizer, 90/5/5 split)")
     return prepare(config.corpus, data_dir, PrepareConfig(
         tokenizer="char", split=(0.9, 0.05, 0.05), mirror=config.mirror))
@@ -130,11 +131,11 @@ def train_run(run_dir: Path, data: Dataset, overrides: dict, preset: str | None,
     """Train (or resume, or skip when finished) one run of a recipe."""
     if (run_dir / "metrics.jsonl").is_file() and read_run(run_dir).finished:
         return
-    p = get_preset(preset)
-    model_cfg, train_cfg = configure(p.model, p.train, data.vocab_size, overrides)
     resume = run_dir.is_dir() and any(p.name != "data" for p in run_dir.iterdir())
-    summary = train(run_dir, data, model_cfg, train_cfg, resume=resume, reporter=make_reporter())
-    if summary.get("interrupted"):
+    rep = make_reporter()
+    planned = plan(data.path, Options(**overrides), out=run_dir, preset=preset or DEFAULT_PRESET,
+                   resume=resume, reporter=rep)
+    if run(planned, rep).interrupted:
         raise ZlmError(f"interrupted during {run_dir.name} (checkpoint saved); run the same "
                        "zlm recipe command again to continue")
 
@@ -151,14 +152,14 @@ def score_run(run_dir: Path, setting: str, device: str) -> dict:
         results = {"setting": setting, "checkpoint": valid.checkpoint, "best_step": best.get("step"),
                    "valid_bpc": valid.score.bpc, "test_bpc": test.score.bpc,
                    "protocol": valid.protocol, "valid": valid.to_dict(), "test": test.to_dict()}
-    run = read_run(run_dir)
+    curves = read_run(run_dir)
     results.update({
-        "setting": setting, "run": str(run_dir), "model": run.model, "train": run.train_config,
-        "steps": run.steps, "characters": run.steps * run.chars_per_step,
-        "elapsed_s": run.elapsed_s, "parameters": run.parameters,
-        "train_bpc_end": run.final_train_bpc,
-        "valid_bpc_end": run.valid.bpc[-1] if len(run.valid) else None,
-        "gap": None if run.final_train_bpc is None else results["valid_bpc"] - run.final_train_bpc,
+        "setting": setting, "run": str(run_dir), "model": curves.model, "train": curves.train_config,
+        "steps": curves.steps, "characters": curves.steps * curves.chars_per_step,
+        "elapsed_s": curves.elapsed_s, "parameters": curves.parameters,
+        "train_bpc_end": curves.final_train_bpc,
+        "valid_bpc_end": curves.valid.bpc[-1] if len(curves.valid) else None,
+        "gap": None if curves.final_train_bpc is None else results["valid_bpc"] - curves.final_train_bpc,
     })
     ckpt.write_json(run_dir / "results.json", results)
     return results

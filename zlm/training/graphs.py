@@ -28,10 +28,10 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from zlm.core.config import GRAPH_MODES
 from zlm.core.precision import Runtime
 from zlm.errors import UsageError
 
-GRAPH_MODES = ("auto", "on", "off")
 MAX_SHAPES = 4  # graphs kept per trainer (window shapes); others run eagerly
 
 

@@ -1,7 +1,7 @@
 """Named configurations: `--preset NAME` gives the model and training configs to start from.
 
 A preset is typed (`ModelConfig`, `TrainConfig`); options given explicitly on the command
-line replace its values (`zlm.training.config.configure`). The model's vocabulary size
+line replace its values (`zlm.core.config.Options.apply`). The model's vocabulary size
 comes from the data, so presets leave it at 0.
 """
 
@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from zlm.core.config import ScheduleConfig, TrainConfig
 from zlm.errors import UsageError
-from zlm.model.lm import ModelConfig
-from zlm.training.config import TrainConfig
-from zlm.training.schedule import ScheduleConfig
+from zlm.model.config import ModelConfig
 
 
 @dataclass(frozen=True)

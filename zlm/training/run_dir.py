@@ -1,10 +1,10 @@
 """The run directory: its name, the refusal to overwrite it, config.json, metrics.jsonl, best/.
 
-    RUN_DIR/config.json        resolved model, data and training config, zlm version
+    RUN_DIR/config.json        the run's spec (zlm.core.spec.RunSpec)
     RUN_DIR/metrics.jsonl      one JSON object per logged event (zlm.core.metrics.MetricsLog)
     RUN_DIR/checkpoints/       training checkpoints (zlm.training.state.Checkpointer)
     RUN_DIR/best/              the weights with the best valid BPC, loadable on their own
-    RUN_DIR/data/              a raw source prepared on the fly (zlm.training.runner)
+    RUN_DIR/data/              a raw source prepared on the fly (zlm.training.plan)
 """
 
 from __future__ import annotations
@@ -17,9 +17,6 @@ from zlm.core import checkpoint as ckpt
 from zlm.core.metrics import MetricsLog
 from zlm.data.dataset import Dataset
 from zlm.errors import UsageError, ZlmError
-from zlm.model.lm import ModelConfig
-from zlm.training.config import TrainConfig
-from zlm.version import __version__
 
 
 def default_run_dir(source: str, resume: bool) -> Path:
@@ -47,24 +44,6 @@ class RunDir:
                 f"{self.path} already exists and is not empty; pass --resume to continue it, "
                 f"or --out to choose another run directory"
             )
-
-    @staticmethod
-    def config(model: ModelConfig, train: TrainConfig, data: Dataset, world: int, resolved: dict,
-               rule: dict | None = None) -> dict:
-        """config.json: the options as given ("train"), what "auto" resolved to ("resolved")
-        and, for a run without --preset, what the defaults rule chose ("defaults_rule")."""
-        config = {
-            "zlm_version": __version__,
-            "model": model.to_dict(),
-            "train": train.to_dict(),
-            "resolved": resolved,
-            "data": {"path": str(Path(data.path).resolve()), "tokenizer": data.meta["tokenizer"],
-                     "unit": data.unit},
-            "world_size": world,
-        }
-        if rule is not None:
-            config["defaults_rule"] = rule
-        return config
 
     def open(self, config: dict) -> MetricsLog:
         """Create RUN_DIR, write config.json, open metrics.jsonl; one-line error if it cannot."""

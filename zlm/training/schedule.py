@@ -8,28 +8,9 @@ little state (`state_dict`) that changes only when validation reports a BPC.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
+from zlm.core.config import ScheduleConfig
 from zlm.errors import UsageError
-
-KINDS = ("constant", "cosine", "plateau")
-
-
-@dataclass(frozen=True)
-class ScheduleConfig:
-    """The learning-rate schedule (stored in config.json under train.schedule)."""
-
-    kind: str = "constant"  # constant | cosine | plateau
-    warmup: int = 0  # linear warmup steps from 0 to lr (all kinds)
-    min_lr_ratio: float = 0.1  # cosine: final lr = lr * min_lr_ratio
-    factor: float = 0.5  # plateau: multiply lr by this when valid BPC stops improving
-    patience: int = 1  # plateau: validations without improvement before reducing
-
-    def __post_init__(self):
-        if self.kind not in KINDS:
-            raise UsageError(f"unknown schedule {self.kind!r}; pass --schedule constant, cosine or plateau")
-        if self.warmup < 0 or not 0 <= self.min_lr_ratio <= 1 or not 0 < self.factor <= 1:
-            raise UsageError("schedule: need --warmup >= 0, min_lr_ratio in [0, 1], factor in (0, 1]")
 
 
 class LRSchedule:

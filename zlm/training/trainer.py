@@ -1,6 +1,6 @@
-"""The Trainer: `fit()` runs `train_step` / `validate` / `save` until the run is done.
+"""The Trainer: built from a `Plan` (`zlm.training.plan`), `fit()` runs `train_step` /
+`validate` / `save` until the run is done.
 
-`train(run_dir, data, model_config, train_config)` is the whole job for library callers.
 Everything that resumes is stateful and goes through one `Checkpointer` mapping (model,
 optimizer, grad scaler, batch streams, schedule, `TrainState`, RNG) plus the carried
 hidden state, so `--resume` continues exactly: a run of 2N steps and a run of N steps +
@@ -17,13 +17,13 @@ import math
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from zlm.core import checkpoint as ckpt
+from zlm.core.config import TrainConfig
 from zlm.core.eval_protocol import EvalProtocol, evaluate_tokens
 from zlm.core.metrics import LN2
 from zlm.core.precision import Runtime, resolve_device
@@ -31,28 +31,15 @@ from zlm.core.reporter import Reporter
 from zlm.data.dataset import Dataset
 from zlm.data.streams import Batch, make_streams
 from zlm.errors import NonFiniteError
-from zlm.model.lm import ModelConfig, State, ZoneoutLM, token_nll
+from zlm.model.lm import State, ZoneoutLM
 from zlm.training import distributed
-from zlm.training.config import TrainConfig
 from zlm.training.graphs import WindowStep, graphs_unavailable_reason, resolve_graphs
-from zlm.training.resolve import Resolved, cell_for, resolve_fresh, stored
+from zlm.training.plan import Plan
+from zlm.training.resolve import cell_for
 from zlm.training.run_dir import RunDir
 from zlm.training.schedule import LRSchedule
 from zlm.training.state import Checkpointer, RNGState, TrainState
-
-
-def train(run_dir: Path, data: Dataset, model_config: ModelConfig, cfg: TrainConfig, *,
-          resume: bool = False, reporter: Reporter | None = None, fault=None, rule=None) -> dict:
-    """Train a zoneout LM on a prepared dataset into run_dir. Returns the summary dict.
-
-    Without `resume`, a run_dir holding anything but data/ is refused. `fault(step, loss)
-    -> loss` is a test hook to inject non-finite values. `rule`: the defaults rule's
-    decision the configs came from (`zlm.training.defaults`), stored in config.json.
-    """
-    if distributed.rank_from_env() == 0:
-        RunDir(Path(run_dir)).check(resume or distributed.restart_count() > 0)
-    return Trainer(run_dir, data, model_config, cfg, resume=resume, reporter=reporter, fault=fault,
-                   rule=rule).fit()
+from zlm.training.step import forward_backward
 
 
 def build_optimizer(cfg: TrainConfig) -> tuple[type, dict]:
@@ -61,22 +48,6 @@ def build_optimizer(cfg: TrainConfig) -> tuple[type, dict]:
         return torch.optim.SGD, dict(lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay)
     cls = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
     return cls, dict(lr=cfg.lr, weight_decay=cfg.weight_decay)
-
-
-def forward_backward(model, runtime, scaler, x, y, h0, c0, *, cache: bool = True, fault=None, step: int = 0):
-    """(T, B) inputs and targets, state (L, B, H) -> (mean nats per token, h_T, c_T).
-
-    Gradients are left in param.grad (scaled when fp16's scaler is on). The state
-    returned is detached fp32. This is what `WindowStep` captures into a CUDA graph
-    (cache=False there: autocast's weight cache must not outlive the capture).
-    """
-    with runtime.autocast(cache=cache):
-        logits, (h, c) = model(x, (h0, c0))  # (T, B, V)
-    loss = token_nll(logits, y) / y.numel()  # mean nats per token, fp32
-    if fault is not None:
-        loss = fault(step, loss)
-    scaler.scale(loss).backward()
-    return loss.detach(), h.detach().float(), c.detach().float()
 
 
 @dataclass
@@ -93,25 +64,23 @@ class StepResult:
 class Trainer:
     """One training run: model, optimizer, streams and state, built (or resumed) at init."""
 
-    def __init__(self, run_dir, data: Dataset, model_config: ModelConfig, cfg: TrainConfig, *,
-                 resume: bool = False, reporter: Reporter | None = None, fault=None, rule=None):
-        device = resolve_device(cfg.device, distributed.local_rank())
-        self.par = par = distributed.setup(device, zero=cfg.zero)
-        # The defaults rule ran on rank 0 only (zlm.training.defaults): every rank takes its configs.
-        if par.world > 1:
-            model_config, cfg, rule = par.broadcast_object((model_config, cfg, rule) if par.is_main else None)
-        self.run_dir, self.data, self.cfg, self.fault = Path(run_dir), data, cfg, fault
+    def __init__(self, plan: Plan, *, reporter: Reporter | None = None, fault=None):
+        """fault(step, loss) -> loss: a test hook that injects non-finite values."""
+        train_cfg = plan.spec.train
+        device = resolve_device(train_cfg.device, distributed.local_rank())
+        self.par = par = distributed.setup(device, zero=train_cfg.zero)
+        if par.world > 1:  # rank 0 planned (the rule, the resolution, the resume): every rank takes its plan
+            plan = par.broadcast_object(plan if par.is_main else None)
+        spec = self.spec = replace(plan.spec, world_size=par.world)
+        cfg = self.cfg = spec.train
+        self.run_dir, self.fault = plan.run_dir, fault
+        self.data = data = Dataset.open(spec.data.path)
         self.rep = reporter if reporter is not None and par.is_main else Reporter()
-        if par.restarted and not resume:  # an elastic agent relaunched the job after a failure
-            self.rep.message(f"elastic restart {distributed.restart_count()}: resuming from the latest checkpoint")
-            resume = True
-        latest = self._find_latest() if resume else None
-        # Resolve once: rank 0 decides (from the checkpoint when resuming), every rank follows.
-        self.resolved = par.broadcast_object(self._resolve(model_config, latest, device) if par.is_main else None)
+        self.resolved = spec.resolved
         self.runtime = Runtime(device, self.resolved.precision)
         torch.manual_seed(cfg.seed + par.rank)
-        self.cell = cell_for(self.resolved, cfg.cell, model_config, device, self.rep.message)
-        self.model = ZoneoutLM(model_config, self.cell.fn).to(self.runtime.device)
+        self.cell = cell_for(self.resolved, cfg.cell, spec.model, device, self.rep.message)
+        self.model = ZoneoutLM(spec.model, self.cell.fn).to(self.runtime.device)
         self.ddp_model = par.wrap_model(self.model)
         opt_cls, opt_kw = build_optimizer(cfg)
         self.optimizer = par.make_optimizer(opt_cls, self.model.parameters(), **opt_kw)
@@ -122,10 +91,9 @@ class Trainer:
         self.schedule = LRSchedule(cfg.schedule, cfg.lr, self.total_steps, cfg.time_budget)
         self.state, self.carried = TrainState(), None
         self.run = RunDir(self.run_dir)
-        self.config = self.run.config(model_config, cfg, data, par.world, self.resolved.to_dict(),
-                                      rule.to_dict() if rule is not None else None)
+        self.config = spec.to_dict()
         self.checkpointer = Checkpointer(self.run_dir, self.config, data, par, cfg.keep_last)
-        self.resumed_from = self._load(latest) if latest is not None else None
+        self.resumed_from = self._load(plan.resume_from) if plan.resume_from is not None else None
         self.log = self.run.open(self.config) if par.is_main else None
         self.use_graphs, self.graphs_line = resolve_graphs(cfg.cuda_graphs, graphs_unavailable_reason(
             self.runtime, self.cell.name, par.world, self.scaler.is_enabled(), hooked=fault is not None))
@@ -140,19 +108,6 @@ class Trainer:
         return {"model": self.model, "optimizer": self.optimizer, "scaler": self.scaler,
                 "streams": self.streams, "schedule": self.schedule, "train_state": self.state,
                 "rng": RNGState(self.runtime.device)}
-
-    def _find_latest(self) -> Path | None:
-        """The latest complete checkpoint rank 0 finds (every rank gets the same one)."""
-        latest = ckpt.latest_complete(self.run_dir, warn=self.rep.message) if self.par.is_main else None
-        latest = self.par.broadcast_object(latest)
-        if latest is None:
-            self.rep.message(f"no complete checkpoint in {self.run_dir}: starting fresh")
-        return latest
-
-    def _resolve(self, model_config: ModelConfig, latest: Path | None, device) -> Resolved:
-        if latest is not None:
-            return stored(latest, device)
-        return resolve_fresh(self.cfg, model_config, device, self.rep.message)
 
     def _load(self, latest: Path) -> Path:
         """Every part, the carried state included, from `latest`."""

@@ -21,10 +21,9 @@ from torch import Tensor
 from zlm.errors import UsageError
 from zlm.model.cells.plain import lstm_plain
 from zlm.model.cells.reference import zoneout_lstm_reference
+from zlm.model.config import CELL_NAMES, KERNELS  # noqa: F401 (re-exported)
 
 CellFn = Callable[..., tuple[Tensor, Tensor, Tensor]]
-CELL_NAMES = ("auto", "fused", "reference", "plain")  # --cell
-KERNELS = ("compiled", "python", "triton", "reference", "plain")  # what a resolved choice runs
 
 
 @dataclass(frozen=True)
