@@ -33,7 +33,7 @@ def command(
         show_default=False)],
     corpus: Annotated[str | None, typer.Option(
         help="A text file or corpus name, prepared once into OUT/data (char, 90/5/5), e.g. "
-             "../shared/corpora/tinyshakespeare/input.txt (default: tinyshakespeare).",
+             "corpus.txt (default: tinyshakespeare).",
         show_default=False)] = None,
     corpora: Annotated[Path | None, typer.Option(
         help="OUT_DIR of scripts/fetch-corpora (default: $ZLM_BENCH_CORPORA, else "

@@ -1,7 +1,7 @@
 """Fuzzing campaign (slow): thousands of mutated checkpoints through verify, read_tensors
 and zlm.inference.load. The only acceptable failure is a one-line CheckpointError.
 
-Run with `python -m pytest -m slow tests/test_fault_fuzz.py -s` (prints the counts).
+Run with `python -m pytest -m slow tests/inference/test_fault_fuzz.py -s` (prints the counts).
 Half the mutants have their manifest re-sealed (sizes and SHA-256 recomputed), as a buggy
 or hostile writer would leave them, so the checks behind the checksum are reached too.
 """

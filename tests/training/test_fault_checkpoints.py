@@ -1,6 +1,6 @@
 """Fault injection around checkpoints: SIGKILL mid-save, full disk, read-only disk, corruption.
 
-The promises (issue 8): the newest complete checkpoint always loads; an incomplete one is
+The promises: the newest complete checkpoint always loads; an incomplete one is
 never mistaken for complete; --resume falls back past a bad one and names it; no
 temporary files survive the next save; a failing writer stops training with one line and
 leaves existing checkpoints untouched.

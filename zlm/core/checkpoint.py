@@ -1,6 +1,6 @@
 """Checkpoints: safetensors and JSON only, written atomically, found again safely.
 
-Layout of one checkpoint directory (SPEC.md section 3):
+Layout of one checkpoint directory (docs/files.md):
 
     model.safetensors       the model's parameters (same keys for every cell)
     optimizer.safetensors   every optimizer tensor, flattened as state.<param>.<name>;

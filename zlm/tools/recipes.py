@@ -38,7 +38,7 @@ ABLATION = (
     ("zc-0.5-zh-0.05", "z_c 0.5 + z_h 0.05 (paper)", 0.5, 0.05),
 )
 
-# Published 10-minute CPU baselines on tiny Shakespeare, same 90/5/5 split (issue 9).
+# Published 10-minute CPU baselines on tiny Shakespeare, same 90/5/5 split (quoted, not measured here).
 BASELINES = (
     ("torch.nn.LSTM 1x512 char model (Adam 2e-3, batch 32, bptt 100, no zoneout)", 2.09, 2.30),
     ('nanoGPT CPU "baby GPT"', 2.18, 2.37),
@@ -79,13 +79,12 @@ class RecipeConfig:
 
 
 # The ablation's model: the published 1x512 baseline's size, Adam 3e-3 (cpu-small's). On 2
-# idle CPU cores (~24k characters/s) 11 minutes is ~15 epochs of tiny Shakespeare, past
+# CPU cores 11 minutes is about 14 epochs of tiny Shakespeare (docs/results.md), past
 # where a plain 1x512 LSTM's valid BPC bottoms out; results.md says whether it did.
 ABLATION_DEFAULTS = dict(hidden=512, layers=1, embed=128, batch_size=32, bptt=100, lr=3e-3,
                          eval_every=200, log_every=10, seed=1234, device="cpu", reset_prob=0.0)
-# Equal budget: cpu-small with the learning rate decayed (cosine) over the time budget;
-# measured on 2 idle cores: valid 2.017 / test 2.219 (without cpu-small's state resets
-# 2.030 / 2.235; constant 3e-3: 2.036 / 2.276).
+# Equal budget: cpu-small with the learning rate decayed (cosine) over the time budget
+# (what it measured, against constant rates and no state resets: docs/results.md).
 EQUAL_BUDGET_OVERRIDES = dict(lr=4e-3, schedule="cosine", eval_every=200, device="cpu")
 ABLATION_MINUTES = 11.0  # x 4 runs (the zoneout ones ~10-20% slower per step): < 60 min
 EQUAL_BUDGET_MINUTES = 10.0
@@ -310,7 +309,7 @@ def equal_budget_markdown(row: dict, minutes: float | None, data: Dataset) -> st
              "| model | valid BPC | test BPC | source |", "|---|---|---|---|",
              f"| {ours} | {_fmt(row['valid_bpc'])} | {_fmt(row['test_bpc'])} | this run |"]
     for model, v, t in BASELINES:
-        lines.append(f"| {model} | {v:.2f} | {t:.2f} | published (issue 9), 10 minutes |")
+        lines.append(f"| {model} | {v:.2f} | {t:.2f} | published, 10 minutes |")
     lines += ["", "zlm's numbers: the best checkpoint on the full split, state carried "
               "(`zlm eval` protocol).", ""]
     return "\n".join(lines)

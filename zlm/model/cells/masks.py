@@ -2,7 +2,7 @@
 
 A "keep" is the probability of keeping the previous state value at a step:
 - training: a (T, B, H) tensor of 0/1 draws, d ~ Bernoulli(z), one per unit, per
-  timestep, per example (SPEC.md section 4);
+  timestep, per example (Krueger et al. 2016);
 - evaluation, or z == 0: the plain float z (the expectation; 0.0 is a plain LSTM).
 Masks come from the torch RNG of the device (or the generator given), so seeding and
 saving that RNG state makes training, and resuming it, reproducible.
