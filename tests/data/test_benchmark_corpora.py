@@ -171,7 +171,7 @@ def test_corpus_source(tmp_path, monkeypatch):
     corpora = {c.name: c for c in bm.load_benchmark()}
     assert bm.corpus_source(corpora["stdlib"], tmp_path) == "stdlib"
     need_corpus(TINY_SHAKESPEARE)
-    monkeypatch.setenv(bm.ENV_SHARED, str(CORPORA.parent))  # it holds corpora/tinyshakespeare/input.txt
+    monkeypatch.setenv(bm.ENV_SHARED, str(CORPORA.parent))  # tests/, which holds tests/corpora/tinyshakespeare/input.txt
     assert bm.corpus_source(corpora["tinyshakespeare"], tmp_path).endswith("tinyshakespeare/input.txt")
     assert bm.corpus_source(corpora["tinyshakespeare"], tmp_path) == str(TINY_SHAKESPEARE)
     write(tmp_path / "python-docs" / "input.txt", "x")
