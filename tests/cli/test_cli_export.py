@@ -1,5 +1,5 @@
 """`zlm export`: the ONNX model under onnxruntime and the .pt2 under torch.export.load follow
-zlm's own logits for 200 steps; the README's onnxruntime + numpy sampling loop runs."""
+zlm's own logits for 200 steps; the onnxruntime + numpy sampling loop of docs/inference.md runs."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def onnx_dir(run, tmp_path_factory):
-    """One ONNX export, shared: written to a directory named export/ as in the README."""
+    """One ONNX export, shared: written to a directory named export/ as in docs/inference.md."""
     need_export_extra()
     return export(run, tmp_path_factory.mktemp("onnx") / "export", "onnx")
 
@@ -99,10 +99,10 @@ def test_torch_export_follows_zlm_for_200_steps(run, tmp_path):
     assert one.shape == (1, cfg.vocab_size)
 
 
-def test_readme_sampling_loop_runs_with_onnxruntime_and_numpy(onnx_dir, tmp_path):
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+def test_docs_sampling_loop_runs_with_onnxruntime_and_numpy(onnx_dir, tmp_path):
+    readme = (ROOT / "docs" / "inference.md").read_text(encoding="utf-8")
     code = re.search(r"```python\n(import json, numpy as np, onnxruntime as ort\n.*?)```", readme, re.S)
-    assert code, "README has no onnxruntime sampling loop"
+    assert code, "docs/inference.md has no onnxruntime sampling loop"
     lines = code.group(1).strip().splitlines()
     imports = [line for line in lines if re.match(r"\s*(import|from) ", line)]
     assert len(lines) <= 16 and imports == ["import json, numpy as np, onnxruntime as ort"]

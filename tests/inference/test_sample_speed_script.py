@@ -1,4 +1,4 @@
-"""scripts/sample-speed: the measurement behind the sampling speed in README runs."""
+"""scripts/sample-speed: the measurement behind the sampling speed in docs/speed.md runs."""
 
 from __future__ import annotations
 

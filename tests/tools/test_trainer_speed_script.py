@@ -1,4 +1,4 @@
-"""scripts/trainer-speed: the measurement behind the README's zlm train vs nn.LSTM ratio."""
+"""scripts/trainer-speed: the measurement behind docs/speed.md's zlm train vs nn.LSTM ratio."""
 
 from __future__ import annotations
 

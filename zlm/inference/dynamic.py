@@ -26,7 +26,7 @@ The loaded model is never touched: the adapter works on a deep copy, in eval mod
 
 Defaults (lr 1e-3, decay 1e-3, segment 64): the best of a small grid on tiny
 Shakespeare's valid split with the 1x512 model `zlm train` makes with its defaults in 10
-minutes on a loaded 2-core CPU (static 2.414 BPC; README "Dynamic evaluation" has the
+minutes on a loaded 2-core CPU (static 2.414 BPC; docs/inference.md, "Dynamic evaluation", has the
 grid). That model is undertrained, and such a model gains most from large steps; a
 well-trained one may prefer a smaller --dynamic-lr.
 """
