@@ -117,10 +117,6 @@ def command(
                                         default="include for files; a named corpus's own convention")] = None,
 ) -> None:
     """Train a zoneout LSTM language model on SOURCE; live BPC; safetensors checkpoints."""
-    from zlm.core.rich_display import make_reporter
-    from zlm.training.plan import plan
-    from zlm.training.runner import check_nproc, run
-
     options = Options(
         hidden=hidden, layers=layers, embed=embed, zoneout_cell=zoneout_cell, zoneout_hidden=zoneout_hidden,
         dropout=dropout, cell=cell, batch_size=batch_size, bptt=bptt, lr=lr, optimizer=optimizer,
@@ -129,6 +125,16 @@ def command(
         eval_every=eval_every, state=state, reset_prob=reset_prob, seed=seed, device=device,
         precision=precision, cuda_graphs=cuda_graphs, keep_last=keep_last, log_every=log_every,
         zero=zero or None)
+    _train(source, options, out=out, preset=preset, resume=resume, mirror=mirror, unknown=unknown,
+           nproc=nproc, sample=sample)
+
+
+def _train(source: str, options, *, out, preset, resume, mirror, unknown, nproc, sample) -> None:
+    """Plan, run, and turn the outcome into an exit code, a resume hint and the sample."""
+    from zlm.core.rich_display import make_reporter
+    from zlm.training.plan import plan
+    from zlm.training.runner import check_nproc, run
+
     check_nproc(nproc)
     rep = make_reporter()
     planned = plan(source, options, out=out, preset=preset, resume=resume, mirror=mirror, unknown=unknown,
@@ -140,7 +146,7 @@ def command(
         where = f" at step {step}" if step is not None else ""
         rep.message(f"interrupted{where}: checkpoint saved; continue with {again}")
         raise typer.Exit(128 + int(getattr(signal, outcome.interrupted)))
-    if sample > 0 and outcome.summary is not None:
+    if sample > 0:
         from zlm.inference.language_model import load
         from zlm.training.distributed import rank_from_env
 

@@ -168,3 +168,39 @@ def test_packages_are_small():
     big = {p: n for p, n in per_package.items()
            if n > MAX_MODULES_PER_PACKAGE}
     assert not big, f"packages with more than {MAX_MODULES_PER_PACKAGE} modules: {big}"
+
+
+def _calls_of(name: str, files=None) -> dict[str, int]:
+    """Files (default: zlm/, cli/ and scripts/) that call `name(...)`, as a name or an
+    attribute, with counts."""
+    found: dict[str, int] = defaultdict(int)
+    if files is None:
+        files = [*modules().values(), *(p for p in (ROOT / "scripts").iterdir() if p.is_file())]
+    for path in files:
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except SyntaxError:  # a shell script in scripts/
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                fn = node.func
+                if (fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", None)) == name:
+                    found[str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name] += 1
+    return dict(found)
+
+
+def test_one_entry_point_to_training():
+    """Every run is planned by `zlm.training.plan.plan` (the only maker of a RunSpec besides
+    its loader, `RunSpec.from_dict`) and every Trainer is built from such a plan in one
+    place, the runner (scripts/trainer-speed times the loop of a planned run's Trainer)."""
+    assert set(_calls_of("Trainer")) == {"zlm/training/runner.py", "scripts/trainer-speed"}
+    assert set(_calls_of("RunSpec")) == {"zlm/training/plan.py"}
+    assert {"cli/train.py", "zlm/training/runner.py", "zlm/tools/benchmark.py", "zlm/tools/recipes.py",
+            "scripts/trainer-speed"} <= set(_calls_of("plan"))
+
+
+def test_the_entry_point_check_sees_a_second_trainer(tmp_path):
+    """A guard that cannot fail is no guard: a file that builds a Trainer is found."""
+    rogue = tmp_path / "rogue.py"
+    rogue.write_text("from zlm.training.trainer import Trainer\nTrainer(None).fit()\n")
+    assert _calls_of("Trainer", [rogue]) == {"rogue.py": 1}

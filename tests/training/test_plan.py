@@ -153,3 +153,14 @@ def test_every_train_option_is_an_options_field():
     params = set(inspect.signature(cli_train.command).parameters)
     run_level = {"source", "out", "resume", "preset", "nproc", "sample", "mirror", "unknown"}
     assert params - run_level <= fields_of_options()
+
+
+def test_the_python_api_trains_through_the_same_plan(tmp_path):
+    import zlm
+
+    outcome = zlm.train(_tiny(tmp_path), out=tmp_path / "api", **TINY.given())
+    assert outcome.summary["step"] == 2 and outcome.interrupted is None
+    assert read_spec(tmp_path / "api") == plan(_tiny(tmp_path), TINY, out=tmp_path / "api", resume=True).spec
+    assert zlm.load(tmp_path / "api").sample(length=5, seed=1)
+    with pytest.raises(UsageError, match="unknown option"):
+        zlm.train(_tiny(tmp_path), out=tmp_path / "bad", hiden=16)

@@ -10,11 +10,12 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from zlm.core.config import Options
 from zlm.core.reporter import Reporter
 from zlm.errors import UsageError
 from zlm.training import distributed
 from zlm.training.launch import Interrupted, WorkersFailed, run_local
-from zlm.training.plan import Plan
+from zlm.training.plan import Plan, plan
 from zlm.training.trainer import Trainer
 
 
@@ -25,6 +26,17 @@ class Outcome:
     run_dir: Path
     summary: dict
     interrupted: str | None = None  # SIGINT / SIGTERM name
+
+
+def train(source: str | Path, *, out: str | Path | None = None, preset: str | None = None,
+          resume: bool = False, nproc: int | None = None, reporter: Reporter | None = None,
+          **options) -> Outcome:
+    """The Python API, `zlm.train("corpus.txt", time_budget=600, out="runs/x")`: what `zlm
+    train` does - `plan` then `run`. options: `zlm.core.config.Options` fields (time_budget
+    in seconds); an unknown one is a one-line UsageError."""
+    planned = plan(source, Options.from_dict(options), out=None if out is None else Path(out), preset=preset,
+                   resume=resume, world=nproc, reporter=reporter)
+    return run(planned, reporter, nproc, f"zlm.train({str(source)!r}, out={str(planned.run_dir)!r}, resume=True)")
 
 
 def check_nproc(nproc: int | None) -> None:
