@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
@@ -138,16 +139,33 @@ def test_corpus_too_small_is_a_clear_error(tmp_path):
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+def _bigram_bpc(train: str, valid: str) -> float:
+    """Bits per character on `valid` of a bigram model fitted to `train` (counts + 0.5): what
+    the frequencies of character pairs alone give."""
+    vocab = len(set(train) | set(valid))
+    first = collections.Counter(train[:-1])
+    pairs = collections.Counter(zip(train, train[1:], strict=False))
+    bits = sum(-math.log2((pairs[a, b] + 0.5) / (first[a] + 0.5 * vocab))
+               for a, b in zip(valid, valid[1:], strict=False))
+    return bits / (len(valid) - 1)
+
+
 def test_loss_falls_and_checkpoints_hold_only_safetensors_and_json(tiny_data, tmp_path):
     data = Dataset.open(tiny_data)
     mc = ModelConfig(vocab_size=data.vocab_size, hidden=64, embed=16, zoneout_cell=0.0, zoneout_hidden=0.0)
-    tc = TrainConfig(batch_size=16, bptt=32, max_steps=120, eval_every=60, log_every=20, lr=2e-2, seed=1)
+    tc = TrainConfig(batch_size=16, bptt=32, max_steps=240, eval_every=120, log_every=20, lr=2e-2, seed=1)
     summary = train_run(tmp_path / "run", data, mc, tc)
     train_bpc = [r["train_bpc"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")
                  if r["event"] == "train"]
-    # From ~log2(V) = 5.9 down to where letter frequencies and spaces are learnt.
-    assert train_bpc[0] > 4.5 and train_bpc[-1] < 3.6
-    assert summary["best_valid_bpc"] < 3.6
+    # From ~log2(V) = 5.9 to below what character pairs alone give: the model must use more
+    # context than the previous character. The bigram model of the train split scores 3.49
+    # BPC on valid; this run reaches 2.95-2.96 valid and 3.04-3.06 train BPC (last window)
+    # with seeds 1-3, so the bar keeps a 0.4-0.5 BPC margin (the seeds differ by 0.03 at most).
+    # (At 120 steps it reached only 3.25-3.35, too close to the bar to tell learning apart.)
+    bigram = _bigram_bpc(*(data.tokenizer.decode(data.tokens(s)) for s in ("train", "valid")))
+    assert 3.4 < bigram < 3.6, bigram
+    assert train_bpc[0] > 4.5 and train_bpc[-1] < bigram
+    assert summary["best_valid_bpc"] < bigram
     for d in list((tmp_path / "run" / "checkpoints").iterdir()) + [tmp_path / "run" / "best"]:
         suffixes = {p.suffix for p in d.iterdir()}
         assert suffixes <= {".safetensors", ".json"}, suffixes
