@@ -240,6 +240,24 @@ def _big_corpus(path: pathlib.Path, n_bytes: int) -> None:
     path.write_text("".join(out), encoding="utf-8")
 
 
+def _stopped_mid_write(child: subprocess.Popen, out: pathlib.Path) -> bool:
+    """Wait until the child has written part of a split into its hidden temporary, then
+    stop it there (SIGSTOP) and say whether it was caught mid-write: the temporary still
+    there, without its dataset.json (written last). False if it finished first."""
+    pattern = f".{out.name}.tmp-{child.pid}-*"
+    while child.poll() is None:
+        try:
+            started = any(p.stat().st_size > 0 for t in out.parent.glob(pattern) for p in t.glob("*.bin"))
+        except FileNotFoundError:  # renamed into place while we looked
+            started = False
+        if started:
+            child.send_signal(signal.SIGSTOP)
+            tmp = list(out.parent.glob(pattern))
+            return len(tmp) == 1 and not (tmp[0] / "dataset.json").exists()
+        time.sleep(0.001)
+    return False
+
+
 def test_sigkill_midway_never_leaves_an_accepted_incomplete_data_dir(tmp_path):
     src = tmp_path / "big.txt"
     _big_corpus(src, 3 << 20)
@@ -251,15 +269,23 @@ def test_sigkill_midway_never_leaves_an_accepted_incomplete_data_dir(tmp_path):
     full = time.perf_counter() - t0
     rng = random.Random(11)
     outcomes = {"refused": 0, "complete": 0, "absent": 0}
+    mid_write = 0  # kills that left the child's half-written temporary behind
     out = tmp_path / "out"
-    for i in range(8):
-        # Kill anywhere from interpreter start-up to the final rename (and sometimes after).
-        delay = rng.uniform(0.05, full * 1.05)
+    # Kills at random times (from interpreter start-up to the final rename, sometimes after),
+    # then kills aimed at the write: the child is stopped once part of a split is on disk,
+    # so they land mid-write however fast or loaded the machine is.
+    plan = [("random", rng.uniform(0.05, full * 1.05)) for _ in range(8)] + [("mid-write", None)] * 2
+    for i, (how, delay) in enumerate(plan):
         child = subprocess.Popen([sys.executable, "-c", _CHILD, str(src), str(out)],
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        time.sleep(delay)
+        if how == "random":
+            time.sleep(delay)
+        else:
+            assert _stopped_mid_write(child, out), f"kill {i}: the child finished before it was caught writing"
         child.send_signal(signal.SIGKILL)
         child.communicate()
+        if list(tmp_path.glob(f".out.tmp-{child.pid}-*")):
+            mid_write += 1
         if not out.exists():
             outcomes["absent"] += 1
             continue
@@ -269,11 +295,12 @@ def test_sigkill_midway_never_leaves_an_accepted_incomplete_data_dir(tmp_path):
             assert "\n" not in str(e)
             outcomes["refused"] += 1
             continue
-        assert _files(ds.path) == ref, f"kill {i} after {delay:.2f}s left a wrong DATA_DIR"
+        assert _files(ds.path) == ref, f"kill {i} ({how}, {delay}) left a wrong DATA_DIR"
         outcomes["complete"] += 1
     # Leftover hidden temporaries are the only trace; they never look like a DATA_DIR.
     for p in tmp_path.iterdir():
         if p.name.startswith(".out.tmp-"):
             with pytest.raises(DataError):
                 Dataset.open(p)
-    assert sum(outcomes.values()) == 8
+    assert sum(outcomes.values()) == len(plan)
+    assert mid_write >= 2, f"only {mid_write} kills landed mid-write"
