@@ -57,7 +57,8 @@ def test_wheel_contents(tmp_path):
     assert "zlm/cli/__init__.py" in names
     assert "zlm/model/cells/__init__.py" in names
     assert "zlm/corpora/catalog.json" in names
-    assert "zlm/model/cells/cpu_kernels.cpp" in names  # the C++ step compiles from it
+    for name in ("cell_steps.cpp", "mask_draw.cpp", "decoder.cpp", "module.cpp", "kernels.h"):
+        assert f"zlm/model/cells/csrc/{name}" in names  # the C++ kernels compile from them
     assert not any(n.startswith("cli/") for n in names)
 
 

@@ -96,7 +96,7 @@ class Chooser:
 
     A draw is an inverse CDF: token j when cum_{j-1} <= u * total < cum_j, with u uniform
     in [0, 1) from the generator (fp64, drawn CHUNK x B at a time) and the cumulative sums
-    in fp64 - on the CPU one C++ call (`draw` in cpu_kernels.cpp) that also does the
+    in fp64 - on the CPU one C++ call (`draw` in zlm/model/cells/csrc/decoder.cpp) that also does the
     softmax, elsewhere a few torch ops. The same seed gives the same tokens.
     """
 

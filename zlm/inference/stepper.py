@@ -13,7 +13,7 @@ into buffers allocated once. Three kernels, chosen once per `Stepper`:
 
 - "decode" (CPU, fp32 model, compiled extension): the whole step - every layer's
   matrix-vector products, the element-wise work and the decoder - is ONE call of the
-  C++ `Decoder` (zlm/model/cells/cpu_kernels.cpp), on weights packed here once into
+  C++ `Decoder` (zlm/model/cells/csrc/decoder.cpp), on weights packed here once into
   32-column tiles with the gates of 8 units side by side (`pack_tiles`, `gate_columns`).
   The products are memory-bound at batch 1, so bf16 weights (lp=True) halve the bytes
   read per token; x, h, c and the accumulators stay fp32.
@@ -31,9 +31,9 @@ import torch
 from torch import Tensor
 
 from zlm.model.cells.cpu_ext import load_extension
+from zlm.model.cells.kernel_constants import DECODER_TILE, DECODER_UNITS
 from zlm.model.lm import ZoneoutLM
 
-TILE, UNITS = 32, 8  # the Decoder's tile width (columns) and units per tile (4 gates x 8)
 KERNELS = ("auto", "decode", "cpp", "torch")
 
 
@@ -41,9 +41,9 @@ def gate_columns(H: int) -> Tensor:
     """(Np,) int64, Np = ceil(H/8) * 32: for each packed column, the column of a (.., 4H)
     gate matrix (blocks i, f, g, o) it takes, or 4H for a zero pad; tile t holds the four
     gates of units 8t .. 8t+7, 8 columns each."""
-    tiles = -(-H // UNITS)
-    unit = torch.arange(tiles).view(tiles, 1, 1) * UNITS + torch.arange(UNITS).view(1, 1, UNITS)
-    col = torch.arange(4).view(1, 4, 1) * H + unit  # (tiles, 4, UNITS)
+    tiles = -(-H // DECODER_UNITS)
+    unit = torch.arange(tiles).view(tiles, 1, 1) * DECODER_UNITS + torch.arange(DECODER_UNITS).view(1, 1, DECODER_UNITS)
+    col = torch.arange(4).view(1, 4, 1) * H + unit  # (tiles, 4, DECODER_UNITS)
     return torch.where(unit < H, col, 4 * H).reshape(-1)
 
 
@@ -56,9 +56,9 @@ def interleave(m: Tensor, H: int) -> Tensor:
 def pack_tiles(w: Tensor) -> Tensor:
     """A right operand (K, N) -> (ceil(N/32), K, 32) contiguous tiles (zero-padded)."""
     K, N = w.shape
-    n = -(-N // TILE) * TILE
+    n = -(-N // DECODER_TILE) * DECODER_TILE
     w = torch.cat([w, w.new_zeros(K, n - N)], 1) if n > N else w
-    return w.reshape(K, n // TILE, TILE).permute(1, 0, 2).contiguous()
+    return w.reshape(K, n // DECODER_TILE, DECODER_TILE).permute(1, 0, 2).contiguous()
 
 
 class Stepper:

@@ -7,7 +7,7 @@ Same signature, parameter layout, gate order (i, f, g, o) and pre-drawn masks as
 Per window (haste's layout, on the CPU):
 - forward: the input projection for all timesteps is one matrix multiply; per step one
   recurrent multiply (oneDNN packed weights in fp32, see `zlm.model.cells.packed_gemm`)
-  and ONE call of the C++ step (`cpu_kernels.cpp`): bias-added pre-activations -> gate
+  and ONE call of the C++ step (zlm/model/cells/csrc/cell_steps.cpp): bias-added pre-activations -> gate
   activations -> c~, h~ -> both zoneout mixes, in one pass over memory;
 - backward: per step one C++ call (all element-wise work of the step, in one pass) and
   one recurrent multiply; dW_ih, dW_hh, db and dx are one multiply or reduction each.

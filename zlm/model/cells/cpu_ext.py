@@ -1,8 +1,18 @@
-"""Builds, caches and loads the C++ step of the CPU zoneout cell (`cpu_kernels.cpp`).
+"""Builds, caches and loads zlm's C++ kernels (csrc/): one extension module.
+
+The sources, one per job, and the header they share:
+
+    csrc/cell_steps.cpp   the compiled CPU cell: element-wise steps, time windows, bf16 conversion
+    csrc/mask_draw.cpp    the zoneout keep masks of the mix16 draw
+    csrc/decoder.cpp      sampling: the whole-model Decoder and the inverse-CDF token draw
+    csrc/module.cpp       the Python bindings
+    csrc/kernels.h        what they share
 
 The extension is compiled on first use with torch's own tooling
-(`torch.utils.cpp_extension.load`, ninja), never inside pip's isolated build. It is
-cached under a key of torch version, source hash and instruction set:
+(`torch.utils.cpp_extension.load`, ninja, which compiles the files in parallel), never
+inside pip's isolated build. The constants the C++ and Python share come from
+`zlm.model.cells.kernel_constants` as -D defines. Builds are cached under a key of torch
+version, instruction set and a hash of the sources and flags:
 
     $ZLM_EXT_CACHE or $XDG_CACHE_HOME/zlm/ext or ~/.cache/zlm/ext
         zlm_cpu_<torch>_<isa>_<source hash>/      one build directory per key
@@ -14,7 +24,8 @@ CPUs cannot hand one of them code it cannot run: each ISA has its own key.
 First use reports "compiling ..." and then how long it took through `on_event` (a
 callback) or, without one, the `zlm.ext` logger. Without a compiler, with
 `ZLM_NO_EXTENSION=1`, or when the build fails, `load_extension` returns None and
-`unavailable_reason()` gives one line; the caller falls back to the Python fused cell.
+`unavailable_reason()` gives one line; the callers fall back to Python (the fused cell in
+Python, the Stepper's torch kernel, the torch expression of the mask draw).
 """
 
 from __future__ import annotations
@@ -30,8 +41,12 @@ from pathlib import Path
 
 import torch
 
+from zlm.model.cells.kernel_constants import compiler_defines
+
 log = logging.getLogger("zlm.ext")
-SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+SOURCE_DIR = Path(__file__).with_name("csrc")
+SOURCES = ("cell_steps.cpp", "mask_draw.cpp", "decoder.cpp", "module.cpp")  # compiled, in SOURCE_DIR
+HEADERS = ("kernels.h",)  # included by them
 _ISA_FLAGS = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mavx2"],
     "avx2": ["-mavx2", "-mfma"],
@@ -69,14 +84,19 @@ def cache_root() -> Path:
 
 
 def compile_flags(isa: str) -> list[str]:
-    """-O3 and explicit ISA flags; no -ffast-math (-fno-trapping-math lets the exp vectorise)."""
-    return ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", *_ISA_FLAGS[isa]]
+    """-O3, explicit ISA flags and the shared constants (-DZLM_...); no -ffast-math
+    (-fno-trapping-math lets the exp vectorise)."""
+    return ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", *_ISA_FLAGS[isa], *compiler_defines()]
 
 
 def build_key(isa: str | None = None) -> str:
-    """zlm_cpu_<torch version>_<isa>_<hash of source and flags>: one build per combination."""
+    """zlm_cpu_<torch version>_<isa>_<hash of sources and flags>: one build per combination."""
     isa = isa or instruction_set()
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(compile_flags(isa)).encode()).hexdigest()[:12]
+    h = hashlib.sha256()
+    for name in (*SOURCES, *HEADERS):
+        h.update(name.encode() + b"\0" + (SOURCE_DIR / name).read_bytes() + b"\0")
+    h.update(" ".join(compile_flags(isa)).encode())
+    digest = h.hexdigest()[:12]
     version = re.sub(r"[^0-9A-Za-z]+", "_", torch.__version__)
     return f"zlm_cpu_{version}_{isa}_{digest}"
 
@@ -98,20 +118,20 @@ def _build(on_event: Callable[[str], None]):
     directory.mkdir(parents=True, exist_ok=True)
     fresh = not any(directory.glob("*.so"))
     if fresh:
-        on_event(f"compiling the CPU cell's C++ step for {isa} (first use; cached in {directory})")
+        on_event(f"compiling zlm's C++ kernels for {isa} (first use; cached in {directory})")
     t0 = time.perf_counter()
     flags = compile_flags(isa)
     module = cpp_extension.load(
-        name=key, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+        name=key, sources=[str(SOURCE_DIR / name) for name in SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
         build_directory=str(directory), verbose=False,
     )
     if fresh:
-        on_event(f"compiled the CPU cell's C++ step in {time.perf_counter() - t0:.1f}s")
+        on_event(f"compiled zlm's C++ kernels in {time.perf_counter() - t0:.1f}s")
     return module
 
 
 def load_extension(on_event: Callable[[str], None] | None = None):
-    """The compiled module (functions `forward_step`, `backward_step`), or None.
+    """The compiled module (`forward_step`, `backward_step`, ..., `draw_mask`, `Decoder`, `draw`), or None.
 
     Tried once per process; the outcome (module or reason) is remembered.
     """

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from zlm.model.cells import cpu_ext
+from zlm.model.cells.kernel_constants import SPLITMIX_GAMMA, SPLITMIX_MIX, SPLITMIX_SHIFTS
 
 Keep = Tensor | float
 
@@ -37,9 +38,6 @@ Keep = Tensor | float
 # the draw).
 MASK_DRAWS = ("mix16", "bits16", "rand32")
 MASK_DRAW = MASK_DRAWS[0]  # what a new run draws
-
-_GAMMA = 0x9E3779B97F4A7C15  # splitmix64's increment and mixing constants
-_MIX = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
 
 
 def draw_keep(
@@ -93,10 +91,11 @@ def mix_words(seed: Tensor, count: int) -> Tensor:
 
     int64 arithmetic wraps modulo 2^64 in torch (CPU and CUDA), as the C++ uint64 does.
     """
-    z = seed + torch.arange(1, count + 1, dtype=torch.int64, device=seed.device) * _signed(_GAMMA)
-    z = (z ^ _shift_right(z, 30)) * _signed(_MIX[0])
-    z = (z ^ _shift_right(z, 27)) * _signed(_MIX[1])
-    return z ^ _shift_right(z, 31)
+    s1, s2, s3 = SPLITMIX_SHIFTS
+    z = seed + torch.arange(1, count + 1, dtype=torch.int64, device=seed.device) * _signed(SPLITMIX_GAMMA)
+    z = (z ^ _shift_right(z, s1)) * _signed(SPLITMIX_MIX[0])
+    z = (z ^ _shift_right(z, s2)) * _signed(SPLITMIX_MIX[1])
+    return z ^ _shift_right(z, s3)
 
 
 def keep_at(keep: Keep, t: int) -> Keep:
