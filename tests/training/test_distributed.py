@@ -96,7 +96,7 @@ def _faulty_worker(data_dir: str, run_dir: str, how: str, max_steps: int) -> Non
             if how == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)  # hung, but the agent can still stop it
-            time.sleep(600)
+            time.sleep(3600)  # longer than the test's time limit: only the agent ends it
         return loss
 
     train_run(__import__("pathlib").Path(run_dir), data, mc, tc, fault=fault)
@@ -195,16 +195,17 @@ def test_zero_run_resumes_exactly_and_across_world_sizes(runs, tmp_path):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.timeout(240)  # the hang guard: a job that does not end fails here (it takes ~15 s)
 @pytest.mark.parametrize("how", ["kill", "hang"])
 def test_a_dead_or_hung_rank_ends_the_job_with_a_loadable_checkpoint(tmp_path, monkeypatch, how):
     from conftest import shakespeare_text, write_char_dataset
 
     data_dir = write_char_dataset(tmp_path / "data", shakespeare_text(40_000))
     monkeypatch.setenv("ZLM_DIST_TIMEOUT", "8")
-    t0 = time.monotonic()
+    # A hung rank sleeps past the time limit: the job ending at all (rank 0's collective
+    # times out after ZLM_DIST_TIMEOUT, then the agent stops rank 1) is the check.
     with pytest.raises(WorkersFailed) as e:
         run_local(_faulty_worker, (str(data_dir), str(tmp_path / "run"), how, 40), nproc=2, shutdown_timeout=5)
-    assert time.monotonic() - t0 < 60
     assert e.value.exit_code != 0
     assert ("rank 1 was killed by SIGKILL" if how == "kill" else "rank 0 exited with code 1") in str(e.value)
     latest = ckpt.latest_complete(tmp_path / "run")
