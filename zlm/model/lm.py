@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from zlm.errors import UsageError
 from zlm.model.cells import CellFn
-from zlm.model.cells.masks import MASK_DRAW, draw_keep
+from zlm.model.cells.masks import draw_keep
 from zlm.model.cells.reference import zoneout_lstm_reference
 from zlm.model.config import ModelConfig
 
@@ -31,7 +31,6 @@ class ZoneoutLSTMLayer(nn.Module):
         self.hidden = hidden
         self.zoneout_cell = zoneout_cell
         self.zoneout_hidden = zoneout_hidden
-        self.mask_draw = MASK_DRAW  # one of MASK_DRAWS; set by ZoneoutLM.set_mask_draw
         self.weight_ih = nn.Parameter(torch.empty(4 * hidden, input_size))
         self.weight_hh = nn.Parameter(torch.empty(4 * hidden, hidden))
         self.bias = nn.Parameter(torch.empty(4 * hidden))
@@ -52,7 +51,7 @@ class ZoneoutLSTMLayer(nn.Module):
         """x: (T, B, I) -> y: (T, B, H), h_T, c_T: (B, H). Masks are drawn here, once."""
         T, B, _ = x.shape
         shape = (T, B, self.hidden)
-        kw = dict(dtype=x.dtype, device=x.device, draw=self.mask_draw)
+        kw = dict(dtype=x.dtype, device=x.device)
         keep_c = draw_keep(self.zoneout_cell, shape, self.training, **kw)
         keep_h = draw_keep(self.zoneout_hidden, shape, self.training, **kw)
         return cell(x, h0, c0, self.weight_ih, self.weight_hh, self.bias, keep_c, keep_h)
@@ -97,11 +96,6 @@ class ZoneoutLM(nn.Module):
             cs.append(c)
         logits = self.decoder(x)  # (T, B, V)
         return logits, (torch.stack(hs), torch.stack(cs))
-
-    def set_mask_draw(self, draw: str) -> None:
-        """How every layer draws its zoneout masks (MASK_DRAWS; a run keeps the one it started with)."""
-        for layer in self.layers:
-            layer.mask_draw = draw
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
