@@ -11,7 +11,7 @@ Every parity case below runs two ways:
 Tolerances, on every output (y, h_T, c_T) and every gradient (x, h0, c0, W_ih, W_hh, b):
 - fp32: max abs difference <= 1e-5 (assert_close, atol = rtol = 1e-5) against the
   reference in fp32 on the same device; fp64: 1e-12. The same for zero zoneout against
-  torch.nn.LSTM. On the larger CUDA case, where gradients sum over T*N = 1024 terms in a
+  torch.nn.LSTM. On the larger CUDA case, where gradients sum over T*B = 1024 terms in a
   different order, relative Frobenius error <= 1e-5.
 - bf16 inputs, and fp32 inputs under bf16 autocast, against the fp32 reference: relative
   Frobenius error <= 2e-2 (3e-2 on the larger CUDA case); fp16 inputs: <= 5e-3.
@@ -37,20 +37,20 @@ from zlm.model.cells.triton import triton_unavailable_reason, zoneout_lstm_trito
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 
-def _problem(T, N, I, H, device, keep_c, keep_h, dtype=torch.float32, seed=0):
-    """Inputs, parameters and masks; a keep given as 'mask:z' is drawn as a (T, N, H) mask."""
+def _problem(T, B, I, H, device, keep_c, keep_h, dtype=torch.float32, seed=0):
+    """Inputs, parameters and masks; a keep given as 'mask:z' is drawn as a (T, B, H) mask."""
     g = torch.Generator().manual_seed(seed)
 
     def rnd(*shape, scale=1.0):
         return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype)
 
-    tensors = [rnd(T, N, I), rnd(N, H), rnd(N, H),
+    tensors = [rnd(T, B, I), rnd(B, H), rnd(B, H),
                rnd(4 * H, I, scale=I**-0.5), rnd(4 * H, H, scale=H**-0.5), rnd(4 * H, scale=0.1)]  # fmt: skip
 
     def keep(k):
         if isinstance(k, str):
             z = float(k.split(":")[1])
-            return (torch.rand(T, N, H, generator=g) < z).to(dtype).to(device)
+            return (torch.rand(T, B, H, generator=g) < z).to(dtype).to(device)
         return k
 
     return [t.to(device) for t in tensors], keep(keep_c), keep(keep_h)
@@ -95,7 +95,7 @@ def _parity(device, shape, keep_c, keep_h, dtype=torch.float32, tol=1e-5, rel=Fa
     (_rel_close if rel else _close)(got, want, tol)
 
 
-SMALL = (4, 3, 5, 8)  # T, N, I, H
+SMALL = (4, 3, 5, 8)  # T, B, I, H
 
 
 def case_train_masks(device):
@@ -107,11 +107,11 @@ def case_eval_expectation(device):
 
 
 def case_mask_and_float_odd_hidden(device):
-    _parity(device, (5, 2, 3, 12), "mask:0.4", 0.2)  # H = 12: N*H is no power of two
+    _parity(device, (5, 2, 3, 12), "mask:0.4", 0.2)  # H = 12: B*H is no power of two
 
 
 def case_several_programs(device):
-    _parity(device, (3, 9, 4, 130), "mask:0.5", "mask:0.05")  # N*H = 1170: 2 blocks, 2nd partial
+    _parity(device, (3, 9, 4, 130), "mask:0.5", "mask:0.05")  # B*H = 1170: 2 blocks, 2nd partial
 
 
 def case_fp64(device):
@@ -119,11 +119,11 @@ def case_fp64(device):
 
 
 def case_no_zoneout_is_torch_lstm(device):
-    T, N, I, H = SMALL
+    T, B, I, H = SMALL
     torch.manual_seed(0)
     lstm = torch.nn.LSTM(I, H).to(device)
-    x = torch.randn(T, N, I, device=device)
-    h0, c0 = torch.randn(2, 1, N, H, device=device)
+    x = torch.randn(T, B, I, device=device)
+    h0, c0 = torch.randn(2, 1, B, H, device=device)
     bias = lstm.bias_ih_l0 + lstm.bias_hh_l0
     tensors = [x, h0[0], c0[0], lstm.weight_ih_l0, lstm.weight_hh_l0, bias]
     got = _run(zoneout_lstm_triton, [t.detach() for t in tensors], 0.0, 0.0)
@@ -172,7 +172,7 @@ def case_bf16_autocast(device):
     _low_precision(device, SMALL, torch.bfloat16, 2e-2, autocast=True)
 
 
-LARGE = (16, 64, 48, 256)  # N*H = 16384 units: several programs a step
+LARGE = (16, 64, 48, 256)  # B*H = 16384 units: several programs a step
 
 
 def case_large_fp32(device):

@@ -5,23 +5,23 @@ fused cell; the element-wise device code lives in `zlm.model.cells.triton_kernel
 the signature of `zoneout_lstm_reference` and takes the same pre-drawn masks, so the two
 are compared under one seed (tests/model/test_cells_triton.py).
 
-Forward over a window (buffer shapes as in haste; N is the batch, G = 4H):
+Forward over a window (buffer shapes as in haste; B is the batch, G = 4H):
 
-    xw   = x W_ih^T                       [T, N, G] cd   one matmul for all timesteps
+    xw   = x W_ih^T                       [T, B, G] cd   one matmul for all timesteps
     for t in 0..T-1:
-        hw = h_lo[t] W_hh^T               [N, G]    cd   one matmul
+        hw = h_lo[t] W_hh^T               [B, G]    cd   one matmul
         fwd_step kernel: + b, gates, c~, h~, zoneout -> h[t+1], c[t+1], h_lo[t+1], act[t]
-    h    [T+1, N, H] sd, h[0] = h0        c    [T+1, N, H] sd, c[0] = c0
-    h_lo [T+1, N, H] cd, h_lo[0] = h0     (the same buffer as h when cd == sd); y = h_lo[1:]
-    act  [T, N, G] sd: sigmoid(i), sigmoid(f), tanh(g), sigmoid(o), saved for backward
+    h    [T+1, B, H] sd, h[0] = h0        c    [T+1, B, H] sd, c[0] = c0
+    h_lo [T+1, B, H] cd, h_lo[0] = h0     (the same buffer as h when cd == sd); y = h_lo[1:]
+    act  [T, B, G] sd: sigmoid(i), sigmoid(f), tanh(g), sigmoid(o), saved for backward
 
 Backward through time:
 
     for t in T-1..0:
         bwd_step kernel: dy[t], carried dh, dc, da[t+1] W_hh -> da[t], dh, dc
-        dh_rec = da[t] W_hh               [N, H] cd    one matmul
-    da [T, N, G] cd; then once over all timesteps:
-    dx = da W_ih [T, N, I], dW_ih = da^T x, dW_hh = da^T h_lo[:-1], db = sum of da
+        dh_rec = da[t] W_hh               [B, H] cd    one matmul
+    da [T, B, G] cd; then once over all timesteps:
+    dx = da W_ih [T, B, I], dW_ih = da^T x, dW_hh = da^T h_lo[:-1], db = sum of da
 
 Precision: the compute dtype cd is the autocast dtype when autocast is on, else the
 dtype of x (fp32, bf16 or fp16); weights are cast to cd for the matmuls (cuBLAS accumulates
@@ -79,34 +79,34 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _keep_args(keep: Keep, t: int) -> tuple[Tensor | None, float, bool]:
-    """(mask slice (N, H) or None, scalar, is_mask) for one step's kernel launch."""
+    """(mask slice (B, H) or None, scalar, is_mask) for one step's kernel launch."""
     if isinstance(keep, Tensor):
         return keep[t], 0.0, True
     return None, float(keep), False
 
 
 def _forward(x, h0, c0, w_ih, w_hh, bias, keep_c, keep_h, save: bool):
-    """The forward loop. x (T, N, I) cd; h0, c0 (N, H) sd; w_* cd; bias (G,) sd.
+    """The forward loop. x (T, B, I) cd; h0, c0 (B, H) sd; w_* cd; bias (G,) sd.
 
-    Returns h_lo [T+1, N, H] cd, h [T+1, N, H] sd, c [T+1, N, H] sd, act [T, N, G] sd or None.
+    Returns h_lo [T+1, B, H] cd, h [T+1, B, H] sd, c [T+1, B, H] sd, act [T, B, G] sd or None.
     """
     from zlm.model.cells import triton_kernels as K
 
-    T, N, _ = x.shape
+    T, B, _ = x.shape
     H = h0.shape[1]
     cd, sd = x.dtype, h0.dtype
-    xw = torch.mm(x.reshape(T * N, -1), w_ih.t()).view(T, N, 4 * H)  # [T, N, G] cd
-    h = torch.empty(T + 1, N, H, dtype=sd, device=x.device)
+    xw = torch.mm(x.reshape(T * B, -1), w_ih.t()).view(T, B, 4 * H)  # [T, B, G] cd
+    h = torch.empty(T + 1, B, H, dtype=sd, device=x.device)
     c = torch.empty_like(h)
     h[0], c[0] = h0, c0
     write_lo = cd != sd
-    h_lo = torch.empty(T + 1, N, H, dtype=cd, device=x.device) if write_lo else h
+    h_lo = torch.empty(T + 1, B, H, dtype=cd, device=x.device) if write_lo else h
     if write_lo:
         h_lo[0] = h0
-    act = torch.empty(T, N, 4 * H, dtype=sd, device=x.device) if save else None
-    hw = torch.empty(N, 4 * H, dtype=cd, device=x.device)  # [N, G] per-step scratch
+    act = torch.empty(T, B, 4 * H, dtype=sd, device=x.device) if save else None
+    hw = torch.empty(B, 4 * H, dtype=cd, device=x.device)  # [B, G] per-step scratch
     w_hh_t = w_hh.t()
-    n = N * H
+    n = B * H
     block = K.block_for(n)
     grid = (_cdiv(n, block),)
     for t in range(T):
@@ -130,15 +130,15 @@ def _backward(ctx, dy, dh_T, dc_T):
     x, w_ih, w_hh, h_lo, c, act, *masks = ctx.saved_tensors
     keep_c = masks.pop(0) if ctx.c_is_mask else ctx.keep_c
     keep_h = masks.pop(0) if ctx.h_is_mask else ctx.keep_h
-    T, N, _ = x.shape
+    T, B, _ = x.shape
     H = c.shape[2]
     cd, sd = x.dtype, c.dtype
     dy = dy.contiguous()
-    dh = dh_T.to(sd, copy=True).contiguous()  # [N, H] sd, carried gradient into h
-    dc = dc_T.to(sd, copy=True).contiguous()  # [N, H] sd, carried gradient into c
-    da = torch.empty(T, N, 4 * H, dtype=cd, device=x.device)  # [T, N, G] cd
-    dh_rec = torch.empty(N, H, dtype=cd, device=x.device)  # [N, H] cd, da[t+1] W_hh
-    n = N * H
+    dh = dh_T.to(sd, copy=True).contiguous()  # [B, H] sd, carried gradient into h
+    dc = dc_T.to(sd, copy=True).contiguous()  # [B, H] sd, carried gradient into c
+    da = torch.empty(T, B, 4 * H, dtype=cd, device=x.device)  # [T, B, G] cd
+    dh_rec = torch.empty(B, H, dtype=cd, device=x.device)  # [B, H] cd, da[t+1] W_hh
+    n = B * H
     block = K.block_for(n)
     grid = (_cdiv(n, block),)
     for t in reversed(range(T)):
@@ -152,12 +152,12 @@ def _backward(ctx, dy, dh_T, dc_T):
         )  # fmt: skip
         torch.mm(da[t], w_hh, out=dh_rec)
     need = ctx.needs_input_grad
-    da2 = da.view(T * N, 4 * H)
-    dx = torch.mm(da2, w_ih).view(T, N, -1) if need[0] else None
+    da2 = da.view(T * B, 4 * H)
+    dx = torch.mm(da2, w_ih).view(T, B, -1) if need[0] else None
     dh0 = (dh + dh_rec.to(sd)) if need[1] else None
     dc0 = dc if need[2] else None
-    dw_ih = torch.mm(da2.t(), x.reshape(T * N, -1)) if need[3] else None
-    dw_hh = torch.mm(da2.t(), h_lo[:-1].reshape(T * N, H)) if need[4] else None
+    dw_ih = torch.mm(da2.t(), x.reshape(T * B, -1)) if need[3] else None
+    dw_hh = torch.mm(da2.t(), h_lo[:-1].reshape(T * B, H)) if need[4] else None
     db = da2.sum(0, dtype=sd) if need[5] else None
     return dx, dh0, dc0, dw_ih, dw_hh, db, None, None
 
@@ -194,10 +194,10 @@ def zoneout_lstm_triton(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Run one zoneout LSTM layer over a window with the fused Triton cell.
 
-    Args and returns as `zoneout_lstm_reference`: x (T, N, I); h0, c0 (N, H); weight_ih
+    Args and returns as `zoneout_lstm_reference`: x (T, B, I); h0, c0 (B, H); weight_ih
     (4H, I), weight_hh (4H, H), bias (4H,), gate blocks i, f, g, o; keep_c, keep_h a
-    (T, N, H) 0/1 mask or a float. Returns y (T, N, H) in the compute dtype and h_T, c_T
-    (N, H) in the dtype of h0, c0.
+    (T, B, H) 0/1 mask or a float. Returns y (T, B, H) in the compute dtype and h_T, c_T
+    (B, H) in the dtype of h0, c0.
     """
     if not (x.is_cuda or _interpreting()):
         raise RuntimeError(
@@ -205,11 +205,11 @@ def zoneout_lstm_triton(
         )
     cd = _compute_dtype(x)
     sd = _state_dtype(cd)
-    T, N, _ = x.shape
+    T, B, _ = x.shape
     H = h0.shape[1]
     for name, k in (("keep_c", keep_c), ("keep_h", keep_h)):
-        if isinstance(k, Tensor) and k.shape != (T, N, H):
-            raise ValueError(f"{name} must be (T, N, H) = {(T, N, H)}, got {tuple(k.shape)}")
+        if isinstance(k, Tensor) and k.shape != (T, B, H):
+            raise ValueError(f"{name} must be (T, B, H) = {(T, B, H)}, got {tuple(k.shape)}")
     keep_c, keep_h = (k.contiguous() if isinstance(k, Tensor) else float(k) for k in (keep_c, keep_h))
     with torch.autocast(device_type=x.device.type, enabled=False):
         args = (

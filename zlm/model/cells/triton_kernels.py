@@ -7,15 +7,15 @@ at import time whether these become compiled kernels or interpreter functions
 
 Names used in the shapes below (as in haste):
 
-    T  timesteps in the window, N  batch, H  hidden units, G = 4H  gate pre-activations
+    T  timesteps in the window, B  batch, H  hidden units, G = 4H  gate pre-activations
     sd the state dtype (fp32; fp64 for fp64 inputs): h, c, activations, carried gradients
     cd the compute dtype of the matrix multiplies (fp32, or bf16/fp16 under low precision)
 
-Every kernel is launched once per timestep on a 1-D grid over the n = N*H units of that
+Every kernel is launched once per timestep on a 1-D grid over the n = B*H units of that
 step, BLOCK units per program; unit u is example u // H, hidden unit u % H, and its four
 gate pre-activations sit at columns j, H + j, 2H + j, 3H + j (gate order i, f, g, o as in
 torch.nn.LSTM). All buffers are contiguous. Arithmetic is done in sd whatever dtype the
-inputs arrive in; zoneout keeps are either a (N, H) 0/1 slice of a pre-drawn mask
+inputs arrive in; zoneout keeps are either a (B, H) 0/1 slice of a pre-drawn mask
 (`C_MASK`/`H_MASK` true) or one float for every unit (the evaluation expectation; 0.0 is
 a plain LSTM).
 """
@@ -53,20 +53,20 @@ def _preact(xw_ptr, hw_ptr, bias_ptr, gi, col, off, m, like):
 
 @triton.jit
 def zoneout_lstm_fwd_step(
-    xw_ptr,  # xw[t]: [N, G] cd, x_t W_ih^T (the bias is added here, in sd)
-    hw_ptr,  # hw: [N, G] cd, h_lo[t] W_hh^T from this step's recurrent matrix multiply
+    xw_ptr,  # xw[t]: [B, G] cd, x_t W_ih^T (the bias is added here, in sd)
+    hw_ptr,  # hw: [B, G] cd, h_lo[t] W_hh^T from this step's recurrent matrix multiply
     bias_ptr,  # bias: [G] sd
-    h_prev_ptr,  # h[t]: [N, H] sd, zoned hidden state entering the step
-    c_prev_ptr,  # c[t]: [N, H] sd, zoned cell state entering the step
-    keep_c_ptr,  # keep_c[t]: [N, H] 0/1, any float dtype; unused unless C_MASK
-    keep_h_ptr,  # keep_h[t]: [N, H] 0/1, any float dtype; unused unless H_MASK
+    h_prev_ptr,  # h[t]: [B, H] sd, zoned hidden state entering the step
+    c_prev_ptr,  # c[t]: [B, H] sd, zoned cell state entering the step
+    keep_c_ptr,  # keep_c[t]: [B, H] 0/1, any float dtype; unused unless C_MASK
+    keep_h_ptr,  # keep_h[t]: [B, H] 0/1, any float dtype; unused unless H_MASK
     keep_c,  # float z_c; used unless C_MASK
     keep_h,  # float z_h; used unless H_MASK
-    h_ptr,  # h[t+1]: [N, H] sd out
-    c_ptr,  # c[t+1]: [N, H] sd out
-    h_lo_ptr,  # h_lo[t+1]: [N, H] cd out (= y[t], the next matmul's operand); if WRITE_LO
-    act_ptr,  # act[t]: [N, G] sd out, sigmoid(i), sigmoid(f), tanh(g), sigmoid(o); if SAVE
-    n,  # N * H
+    h_ptr,  # h[t+1]: [B, H] sd out
+    c_ptr,  # c[t+1]: [B, H] sd out
+    h_lo_ptr,  # h_lo[t+1]: [B, H] cd out (= y[t], the next matmul's operand); if WRITE_LO
+    act_ptr,  # act[t]: [B, G] sd out, sigmoid(i), sigmoid(f), tanh(g), sigmoid(o); if SAVE
+    n,  # B * H
     H,
     C_MASK: tl.constexpr,
     H_MASK: tl.constexpr,
@@ -112,18 +112,18 @@ def zoneout_lstm_fwd_step(
 
 @triton.jit
 def zoneout_lstm_bwd_step(
-    dy_ptr,  # dy[t]: [N, H] gradient of the output y[t], any float dtype
-    dh_rec_ptr,  # dh_rec: [N, H] cd, da[t+1] W_hh (recurrent gradient into h[t+1]); if HAS_REC
-    dh_ptr,  # dh: [N, H] sd in/out: in, carried gradient into h[t+1]; out, keep_h * dh_total
-    dc_ptr,  # dc: [N, H] sd in/out: in, gradient into c[t+1]; out, gradient into c[t]
-    act_ptr,  # act[t]: [N, G] sd, the saved i, f, g, o activations
-    c_prev_ptr,  # c[t]: [N, H] sd, the cell state entering step t
-    keep_c_ptr,  # keep_c[t]: [N, H]; unused unless C_MASK
-    keep_h_ptr,  # keep_h[t]: [N, H]; unused unless H_MASK
+    dy_ptr,  # dy[t]: [B, H] gradient of the output y[t], any float dtype
+    dh_rec_ptr,  # dh_rec: [B, H] cd, da[t+1] W_hh (recurrent gradient into h[t+1]); if HAS_REC
+    dh_ptr,  # dh: [B, H] sd in/out: in, carried gradient into h[t+1]; out, keep_h * dh_total
+    dc_ptr,  # dc: [B, H] sd in/out: in, gradient into c[t+1]; out, gradient into c[t]
+    act_ptr,  # act[t]: [B, G] sd, the saved i, f, g, o activations
+    c_prev_ptr,  # c[t]: [B, H] sd, the cell state entering step t
+    keep_c_ptr,  # keep_c[t]: [B, H]; unused unless C_MASK
+    keep_h_ptr,  # keep_h[t]: [B, H]; unused unless H_MASK
     keep_c,  # float z_c; used unless C_MASK
     keep_h,  # float z_h; used unless H_MASK
-    da_ptr,  # da[t]: [N, G] cd out, gradient of the gate pre-activations
-    n,  # N * H
+    da_ptr,  # da[t]: [B, G] cd out, gradient of the gate pre-activations
+    n,  # B * H
     H,
     C_MASK: tl.constexpr,
     H_MASK: tl.constexpr,
