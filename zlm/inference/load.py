@@ -93,9 +93,9 @@ def load_model(path, device: str = "auto", precision: str = "fp32", cell: str = 
     if model_cfg.layers > len(loaded.model):  # each layer has tensors: a damaged config.json
         raise CheckpointError(f"{loaded.path}/config.json says {model_cfg.layers} layers but the "
                               "weights hold fewer; the checkpoint is damaged: use another one")
-    try:
-        with torch.device("meta"):  # shapes only: a damaged config.json must not allocate
-            own = ZoneoutLM(model_cfg, choice.fn).state_dict()
+    try:  # shapes only, from the config: a damaged config.json must not allocate (a model
+        # built on the meta device would import torch._dynamo, slowly, for its initialisers)
+        own = {k: torch.empty(s, device="meta") for k, s in model_cfg.parameter_shapes().items()}
     except (RuntimeError, TypeError, ValueError) as e:
         raise CheckpointError(f"{loaded.path}/config.json describes an impossible model "
                               f"({str(e).splitlines()[0]}); use another checkpoint") from None

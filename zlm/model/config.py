@@ -41,3 +41,18 @@ class ModelConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The state_dict shapes of `ZoneoutLM(self)`, from the config alone: embedding, per
+        layer torch.nn.LSTM's layout (gates i, f, g, o stacked) with one bias, decoder. What
+        `zlm info` and loading check a checkpoint's tensors against without building a model
+        (tests/cli/test_cli_startup.py holds it to the model)."""
+        V, E, H = self.vocab_size, self.embed, self.hidden
+        shapes: dict[str, tuple[int, ...]] = {"embedding.weight": (V, E)}
+        for k in range(self.layers):
+            shapes[f"layers.{k}.weight_ih"] = (4 * H, E if k == 0 else H)
+            shapes[f"layers.{k}.weight_hh"] = (4 * H, H)
+            shapes[f"layers.{k}.bias"] = (4 * H,)
+        shapes["decoder.weight"] = (V, H)
+        shapes["decoder.bias"] = (V,)
+        return shapes
