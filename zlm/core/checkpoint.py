@@ -28,13 +28,15 @@ import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 
 from zlm.errors import CheckpointError
 from zlm.version import __version__
+
+if TYPE_CHECKING:
+    import torch
 
 FORMAT = "zlm-checkpoint"
 VERSION = 1
@@ -73,6 +75,20 @@ def write_json(path: Path, obj) -> None:
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+# torch is imported only where tensors are read or written: listing and verifying
+# checkpoints and reading their headers (zlm info) never load it.
+def load_file(path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file as load
+
+    return load(path)
+
+
+def save_file(tensors: dict[str, torch.Tensor], path: str, metadata: dict | None = None) -> None:
+    from safetensors.torch import save_file as save
+
+    save(tensors, path, metadata=metadata)
 
 
 def write_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict | None = None) -> None:
@@ -279,6 +295,8 @@ def load(path: Path) -> Loaded:
 
 def flatten_optimizer(state: dict) -> tuple[dict[str, torch.Tensor], dict]:
     """optimizer.state_dict() -> (tensors named state.<param>.<key>, JSON-able rest)."""
+    import torch
+
     tensors, scalars = {}, {}
     for pid, entry in state["state"].items():
         for key, value in entry.items():

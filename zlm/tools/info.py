@@ -7,6 +7,8 @@ reads tensor data, so it is instant on a multi-gigabyte checkpoint and works whi
 checkpoint is being copied. The manifest is checked shallowly (format version, files
 present with the recorded sizes); checksums are left to `zlm eval` / `zlm sample`,
 which load the tensors.
+
+Nothing here imports torch (nor does anything it imports), so `zlm info` answers at once.
 """
 
 from __future__ import annotations
@@ -14,13 +16,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import torch
-
 from zlm.core import checkpoint as ckpt
 from zlm.core.checkpoint import read_json
+from zlm.core.spec import read_spec
 from zlm.errors import CheckpointError
-from zlm.inference.load import model_config_of
-from zlm.model.lm import ZoneoutLM
 
 
 def find_checkpoint(path: Path) -> Path:
@@ -44,13 +43,6 @@ def find_checkpoint(path: Path) -> Path:
     raise CheckpointError(f"{path} holds no complete checkpoint; pass a RUN_DIR or a checkpoint directory")
 
 
-def _expected_shapes(config) -> dict[str, tuple[int, ...]]:
-    """The tensor shapes a model of this config has (built on the meta device: no memory)."""
-    with torch.device("meta"):
-        model = ZoneoutLM(config)
-    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
-
-
 def _mismatches(expected: dict, found: dict) -> list[str]:
     out = [f"{k} missing" for k in sorted(set(expected) - set(found))]
     out += [f"{k} unexpected" for k in sorted(set(found) - set(expected))]
@@ -64,8 +56,7 @@ def describe(path) -> dict:
     path = Path(path)
     where = find_checkpoint(path)
     manifest = ckpt.verify(where, deep=False)
-    config = read_json(where / "config.json", "model config")
-    model_cfg = model_config_of(config, where)
+    spec = read_spec(where)
     header = ckpt.read_header(where / "model.safetensors")
     shapes = {k: tuple(v.get("shape", ())) for k, v in header.items()
               if k != "__metadata__" and isinstance(v, dict)}
@@ -73,25 +64,25 @@ def describe(path) -> dict:
                      if k != "__metadata__" and isinstance(v, dict)})
     trainer = read_json(where / "trainer.json", "trainer state") if (where / "trainer.json").exists() else {}
     dataset = read_json(where / "dataset.json", "dataset description") if (where / "dataset.json").exists() else {}
-    tok = dataset.get("tokenizer") or config.get("data", {}).get("tokenizer") or {}
+    tok = dataset.get("tokenizer") or spec.data.tokenizer or {}
     files = [{"name": p.name, "bytes": p.stat().st_size} for p in sorted(where.iterdir()) if p.is_file()]
     info = {
         "path": str(path),
         "checkpoint": str(where),
         "format_version": manifest.get("version"),
-        "zlm_version": manifest.get("zlm_version") or config.get("zlm_version"),
+        "zlm_version": manifest.get("zlm_version") or spec.zlm_version,
         "step": trainer.get("step", manifest.get("step")),
         "epoch": trainer.get("epoch"),
         "valid_bpc": trainer.get("valid_bpc"),
         "best_valid_bpc": _finite(trainer.get("best_bpc")),
-        "model": model_cfg.to_dict(),
+        "model": spec.model.to_dict(),
         "parameters": sum(math.prod(s) for s in shapes.values()),
         "dtypes": dtypes,
-        "mismatches": _mismatches(_expected_shapes(model_cfg), shapes),
+        "mismatches": _mismatches(spec.model.parameter_shapes(), shapes),
         "tokenizer": {"kind": tok.get("kind"), "vocab_size": tok.get("vocab_size"),
-                      "unit": dataset.get("unit") or config.get("data", {}).get("unit")},
-        "data": config.get("data", {}).get("path"),
-        "train": config.get("train", {}),
+                      "unit": dataset.get("unit") or spec.data.unit},
+        "data": spec.data.path,
+        "train": spec.train.to_dict(),
         "files": files,
         "total_bytes": sum(f["bytes"] for f in files),
     }
