@@ -42,9 +42,10 @@ def test_missing_compiler_falls_back(monkeypatch):
     assert "no C++ compiler" in choice.reason and "\n" not in choice.reason
 
 
-def test_failed_build_falls_back_with_first_line(monkeypatch):
+def test_failed_build_falls_back_with_first_line(monkeypatch, tmp_path):
     monkeypatch.delenv("ZLM_NO_EXTENSION", raising=False)
     monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setenv("ZLM_EXT_CACHE", str(tmp_path))  # no cached build to fall back on
 
     def broken(**kw):
         raise RuntimeError("Error building extension 'zlm_cpu'\nlong compiler output\n...")
@@ -103,3 +104,24 @@ def test_cache_root_follows_env(monkeypatch, tmp_path):
     monkeypatch.delenv("ZLM_EXT_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
     assert cpu_ext.cache_root() == tmp_path / "x" / "zlm" / "ext"
+
+
+def test_a_cached_build_is_imported_without_the_build_tooling(monkeypatch, tmp_path):
+    monkeypatch.delenv("ZLM_NO_EXTENSION", raising=False)
+    monkeypatch.setenv("ZLM_EXT_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_ext, "_compiler_missing", lambda: None)
+    key = cpu_ext.build_key()
+    (tmp_path / key).mkdir()
+    (tmp_path / key / f"{key}.so").write_text("")  # a build cut short: not a library
+    calls = []
+
+    def fake_load(name, **kw):
+        calls.append(name)
+        return types.SimpleNamespace(forward_step=None)
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", fake_load)
+    assert cpu_ext.load_extension() is not None and calls == [key]  # built again by torch's tooling
+    cpu_ext.forget()
+    monkeypatch.setattr(cpu_ext, "_import_built", lambda key, path: types.SimpleNamespace(path=path))
+    assert cpu_ext.load_extension().path == tmp_path / key / f"{key}.so"
+    assert calls == [key]  # imported directly: no ninja, no compiler checks

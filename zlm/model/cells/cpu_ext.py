@@ -31,6 +31,7 @@ Python, the Stepper's torch kernel, the torch expression of the mask draw).
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 import os
 import re
@@ -110,11 +111,17 @@ def _compiler_missing() -> str | None:
 
 def _build(on_event: Callable[[str], None]):
     """Compile (or load the cached build of) the extension."""
-    from torch.utils import cpp_extension
-
     isa = instruction_set()
     key = build_key(isa)
     directory = cache_root() / key
+    cached = directory / f"{key}.so"
+    if cached.is_file():  # the key covers the sources, flags and torch: a cached build is current
+        try:
+            return _import_built(key, cached)
+        except ImportError:  # e.g. a build cut short: torch's tooling builds it again
+            pass
+    from torch.utils import cpp_extension
+
     directory.mkdir(parents=True, exist_ok=True)
     fresh = not any(directory.glob("*.so"))
     if fresh:
@@ -127,6 +134,16 @@ def _build(on_event: Callable[[str], None]):
     )
     if fresh:
         on_event(f"compiled zlm's C++ kernels in {time.perf_counter() - t0:.1f}s")
+    return module
+
+
+def _import_built(key: str, path: Path):
+    """Import a cached build as `cpp_extension.load` does once ninja finds it up to date, but
+    without importing setuptools or running ninja and the compiler checks in subprocesses,
+    which every command that loads the extension would otherwise wait for."""
+    spec = importlib.util.spec_from_file_location(key, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
     return module
 
 
