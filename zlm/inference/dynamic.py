@@ -1,10 +1,12 @@
 """Dynamic evaluation (Krause et al. 2018): adapt the weights to the text already scored.
 
-Owns `DynamicConfig` (--dynamic-lr, --dynamic-decay, --segment), `DynamicAdapter` (a
+Owns `DynamicAdapter` (a
 private trainable copy of a loaded model and its update rule) and
 `dynamic_score_predictions`, the dynamic counterpart of
 `zlm.core.eval_protocol.evaluate_predictions` behind `zlm eval --dynamic`. `zlm compress --adapt`
 (`zlm.inference.compress`) drives the same adapter, so both apply the same update.
+`DynamicConfig` (--dynamic-lr, --dynamic-decay, --segment) and its defaults live in the
+torch-free `zlm.inference.dynamic_config`, so --help shows them at once; re-exported here.
 
 The text is cut into S parallel streams exactly as the static protocol cuts it, and read
 in segments of N tokens (state carried, never reset). For each segment: predict all of
@@ -34,7 +36,6 @@ well-trained one may prefer a smaller --dynamic-lr.
 from __future__ import annotations
 
 import copy
-from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
@@ -42,37 +43,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from zlm.core.eval_protocol import EvalProtocol, _windows
-from zlm.errors import UsageError
+from zlm.inference.dynamic_config import (  # noqa: F401 (the defaults, re-exported)
+    DEFAULT_DECAY,
+    DEFAULT_LR,
+    DEFAULT_SEGMENT,
+    DynamicConfig,
+)
 from zlm.model.lm import ZoneoutLM
 
-DEFAULT_LR = 1e-3
-DEFAULT_DECAY = 1e-3
-DEFAULT_SEGMENT = 64
 EPS = 1e-8  # added to rms in the step's denominator
-
-
-@dataclass(frozen=True)
-class DynamicConfig:
-    """How the weights follow the text (Krause et al. 2018's RMS rule with decay)."""
-
-    lr: float = DEFAULT_LR  # step size eta of the RMS-normalised update; --dynamic-lr
-    decay: float = DEFAULT_DECAY  # lambda: pull toward the trained weights; --dynamic-decay
-    segment: int = DEFAULT_SEGMENT  # tokens per segment (one update each); --segment
-
-    def __post_init__(self):
-        if not (self.lr >= 0 and np.isfinite(self.lr)):
-            raise UsageError(f"--dynamic-lr must be a finite number >= 0, got {self.lr}")
-        if not 0 <= self.decay < 1:
-            raise UsageError(f"--dynamic-decay must be in [0, 1), got {self.decay}")
-        if self.segment < 1:
-            raise UsageError(f"--segment must be >= 1, got {self.segment}")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def describe(self) -> str:
-        return (f"dynamic evaluation: one RMS-normalised step per {self.segment}-token segment "
-                f"after predicting it (lr {self.lr:g}, decay {self.decay:g})")
 
 
 class DynamicAdapter:
