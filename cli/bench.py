@@ -13,7 +13,6 @@ from typing import Annotated
 import typer
 
 from zlm.cli.render import handle_errors, use_rich
-from zlm.tools.bench import BenchConfig, run_bench
 
 
 @handle_errors
@@ -38,6 +37,8 @@ def command(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Characters/s of nn.LSTM, the reference and the fused cell: training and inference."""
+    from zlm.tools.bench import BenchConfig, run_bench
+
     precisions = tuple(p.strip() for p in precision.split(",") if p.strip()) or ("fp32",)
     configs = [BenchConfig(hidden=hidden, batch_size=batch_size, bptt=bptt, vocab=vocab, embed=embed, device=device,
                            repeats=repeats, warmup=warmup, sample_chars=sample_chars, precision=p)

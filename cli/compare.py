@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from zlm.cli.render import handle_errors, use_rich
 from zlm.core.reporter import fmt_duration
-from zlm.tools.compare import Comparison, compare_runs
+
+if TYPE_CHECKING:
+    from zlm.tools.compare import Comparison
 
 RESULT_HEADERS = (("best_valid_bpc", "best valid BPC"), ("test_bpc", "test BPC"),
                   ("parameters", "params"), ("chars_per_s", "chars/s"),
@@ -33,6 +35,8 @@ def command(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Settings that differ across runs, best valid BPC, test BPC, size, speed and time."""
+    from zlm.tools.compare import compare_runs
+
     comparison = compare_runs(runs)
     if as_json:
         typer.echo(json.dumps(comparison.to_dict()))

@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from zlm.cli.render import handle_errors, print_pairs, use_rich
-from zlm.core.rich_display import make_byte_progress
 from zlm.errors import UsageError
-from zlm.inference.compress import CompressResult, compress_file, decompress_file
-from zlm.inference.dynamic import DEFAULT_DECAY, DEFAULT_LR, DEFAULT_SEGMENT, DynamicConfig
+from zlm.inference.dynamic_config import DEFAULT_DECAY, DEFAULT_LR, DEFAULT_SEGMENT, DynamicConfig
+
+if TYPE_CHECKING:
+    from zlm.inference.compress import CompressResult
 
 
 @handle_errors
@@ -43,6 +44,9 @@ def command(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Compress FILE with the model's next-token distribution and a range coder."""
+    from zlm.core.rich_display import make_byte_progress
+    from zlm.inference.compress import compress_file
+
     dyn = DynamicConfig(dynamic_lr, dynamic_decay, segment) if adapt else None
     if streams is not None and streams < 1:
         raise UsageError(f"--streams must be >= 1, got {streams}")
@@ -63,6 +67,9 @@ def decompress(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Decompress FILE.zlmz; refuses another model, a damaged or a truncated file."""
+    from zlm.core.rich_display import make_byte_progress
+    from zlm.inference.compress import decompress_file
+
     path, result = decompress_file(run, file, out, force, make_byte_progress)
     render(path, result, as_json, "decompressed")
 

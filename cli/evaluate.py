@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from zlm.cli.render import handle_errors, print_pairs, use_rich
 from zlm.errors import UsageError
-from zlm.inference.dynamic import DEFAULT_DECAY, DEFAULT_LR, DEFAULT_SEGMENT, DynamicConfig
-from zlm.inference.evaluate import EvalConfig, EvalResult, evaluate
+from zlm.inference.dynamic_config import DEFAULT_DECAY, DEFAULT_LR, DEFAULT_SEGMENT, DynamicConfig
+
+if TYPE_CHECKING:
+    from zlm.inference.evaluate import EvalResult
 
 
 @handle_errors
@@ -54,6 +56,8 @@ def command(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Bits per character of a split or a text file, state carried across the whole text."""
+    from zlm.inference.evaluate import EvalConfig, evaluate
+
     if split is not None and file is not None:
         raise UsageError("pass --split or --file, not both")
     dyn = DynamicConfig(dynamic_lr, dynamic_decay, segment) if dynamic else None

@@ -12,7 +12,6 @@ from typing import Annotated
 import typer
 
 from zlm.cli.render import handle_errors
-from zlm.inference.export import ExportConfig, export_run
 
 
 @handle_errors
@@ -28,6 +27,8 @@ def command(
     force: Annotated[bool, typer.Option(help="Replace OUT if it exists.")] = False,
 ) -> None:
     """Export the eval-mode model as a single-step function (tokens, h, c -> logits, h, c)."""
+    from zlm.inference.export import ExportConfig, export_run
+
     result = export_run(run, ExportConfig(format=format, out=out, force=force))
     m = result.meta
     typer.echo(f"wrote {result.model_file} ({m['format']}: tokens (B,), h, c ({m['layers']}, B, "

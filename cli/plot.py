@@ -9,14 +9,16 @@ terminal, plain lines in a pipe or under NO_COLOR.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from zlm.cli.render import handle_errors, use_rich
 from zlm.core.reporter import fmt_duration
 from zlm.errors import UsageError
-from zlm.tools.curves import RunCurves, read_runs, sample_at
+
+if TYPE_CHECKING:
+    from zlm.tools.curves import RunCurves
 
 BARS = "▁▂▃▄▅▆▇█"
 WIDTH = 48  # sparkline columns: fits 80 with the 7-column name and two values
@@ -38,6 +40,8 @@ def command(
     """Train (dashed) and valid (solid) BPC of one or more runs, one colour per run."""
     if x not in ("chars", "time"):
         raise UsageError(f"--x {x} is not an axis; use chars or time")
+    from zlm.tools.curves import read_runs
+
     curves = read_runs(runs)
     if out is not None:
         from zlm.tools.plot import plot_runs
@@ -72,6 +76,8 @@ def _fmt_x(value: float, x: str) -> str:
 
 def terminal_lines(curves: list[RunCurves], x: str = "chars", width: int = WIDTH) -> list[tuple[str, str]]:
     """(style, text) lines: per run a header and its train and valid sparklines."""
+    from zlm.tools.curves import sample_at
+
     xmax = max((max(c.train.x(x)[-1:] + c.valid.x(x)[-1:], default=0.0) for c in curves),
                default=0.0)
     values = [b for c in curves for b in c.train.bpc[len(c.train.bpc) // 10:] + c.valid.bpc

@@ -13,8 +13,6 @@ from typing import Annotated
 import typer
 
 from zlm.cli.render import handle_errors, use_rich
-from zlm.data.dataset import SPLITS
-from zlm.data.prepare import PrepareConfig, prepare
 from zlm.errors import UsageError
 
 
@@ -63,6 +61,8 @@ def command(
         "--force", help="Replace an existing DATA_DIR.")] = False,
 ) -> None:
     """Tokenize a corpus into DATA_DIR: tokenizer, train/valid/test.bin and dataset.json."""
+    from zlm.data.prepare import PrepareConfig, prepare
+
     config = PrepareConfig(
         tokenizer=tokenizer, vocab_size=vocab_size, split=_fractions(split),
         valid=valid, test=test, unknown=unknown, mirror=mirror, format=format,
@@ -81,6 +81,8 @@ def command(
 def _with_progress_bar(src, out, config, force):
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 
+    from zlm.data.prepare import prepare
+
     with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
                   TimeRemainingColumn(), transient=True) as bar:
         task = bar.add_task("preparing", total=None)
@@ -92,6 +94,8 @@ def _with_progress_bar(src, out, config, force):
 
 
 def _render(dataset, elapsed: float, rich: bool) -> None:
+    from zlm.data.dataset import SPLITS
+
     meta = dataset.meta
     tok = meta["tokenizer"]
     splits = {s: dataset.split_info(s) for s in SPLITS}

@@ -13,14 +13,15 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from zlm.cli.render import handle_errors, use_rich
 from zlm.errors import UsageError
-from zlm.tools import benchmark as cb
-from zlm.tools.recipes import RecipeConfig, RecipeResult, run_recipe
+
+if TYPE_CHECKING:
+    from zlm.tools.recipes import RecipeResult
 
 H_MODEL, H_BUDGET = "Model and training (default: the recipe's)", "Budget"
 H_BENCH = "corpora-benchmark"
@@ -104,6 +105,9 @@ def command(
 def _run(name: str, reporter, sizes: dict, *, corpus, corpora, only, seeds, out, mirror,
          minutes, max_steps, lr, seed) -> RecipeResult:
     """Build the recipe's config from the options that apply to it, and run it."""
+    from zlm.tools import benchmark as cb
+    from zlm.tools.recipes import RecipeConfig, run_recipe
+
     if name == cb.NAME:
         _refuse(name, corpus=corpus, lr=lr, seed=seed)
         config = cb.BenchmarkConfig(

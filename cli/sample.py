@@ -18,7 +18,6 @@ import typer
 from zlm.cli.render import handle_errors
 from zlm.cli.textinput import read_text
 from zlm.errors import UsageError
-from zlm.inference.sample import SampleConfig, sample_checkpoint
 
 
 @handle_errors
@@ -54,6 +53,8 @@ def command(
         "--json", help="One JSON line per sample: text, log-likelihood.")] = False,
 ) -> None:
     """Generate text, streaming it to stdout as it is produced."""
+    from zlm.inference.sample import SampleConfig, sample_checkpoint
+
     prime, flag = _prime(prime, prime_file)
     config = SampleConfig(length=length, prime=prime, temperature=temperature, top_k=top_k,
                           top_p=top_p, seed=seed, num_samples=num_samples, unknown=unknown,

@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from zlm.cli.heatmap import check_html_target, plain_lines, print_rich, write_html
 from zlm.cli.render import handle_errors, print_pairs, use_rich
 from zlm.cli.textinput import read_text
 from zlm.core.metrics import LN2
-from zlm.inference.score import ScoreConfig, ScoredText, score
+
+if TYPE_CHECKING:
+    from zlm.inference.score import ScoredText
 
 
 @handle_errors
@@ -45,6 +46,9 @@ def command(
     device: Annotated[str, typer.Option(help="auto | cpu | cuda.")] = "auto",
 ) -> None:
     """Bits the model spends on each character of a text: a heat map of its surprise."""
+    from zlm.cli.heatmap import check_html_target, write_html
+    from zlm.inference.score import ScoreConfig, score
+
     config = ScoreConfig(streams=batch_size, bptt=bptt, top_k=top_k, unknown=unknown, device=device)
     if html is not None:
         check_html_target(html)  # before the model loads
@@ -76,6 +80,8 @@ def _rows(r: ScoredText) -> list[tuple[str, str]]:
 
 
 def _render(result: ScoredText, rich: bool) -> None:
+    from zlm.cli.heatmap import plain_lines, print_rich
+
     if rich:
         print_rich(result)
     else:
