@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import subprocess
 import sys
 
@@ -40,9 +41,16 @@ def invoke(*args):
     return runner.invoke(app, [str(a) for a in args])
 
 
+# Bytes that are not UTF-8: a lone continuation byte, bytes UTF-8 never uses, a NUL, a lead
+# byte followed by ASCII, and a sequence cut short at the end of the file.
+NOT_UTF8 = b"\x80 \xff\xfe \x00 \xc3( \xed\xa0\x80 " + "\u00e9".encode()[:1]
+
+
 def test_roundtrip_and_json(runs, tmp_path):
     src = tmp_path / "in.txt"
-    src.write_bytes(shakespeare_text(1200).encode() + "\u00e9\U0001F600\xff".encode("utf-8", "surrogateescape"))
+    src.write_bytes(shakespeare_text(1200).encode() + "\u00e9\U0001F600\xff".encode() + NOT_UTF8)
+    with pytest.raises(UnicodeDecodeError):
+        src.read_bytes().decode("utf-8")  # the file is not UTF-8: every byte must come back
     res = invoke("compress", runs[0], src, "--json")
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
@@ -60,6 +68,22 @@ def test_roundtrip_and_json(runs, tmp_path):
     res = invoke("decompress", runs[0], tmp_path / "a.zlmz", "-o", tmp_path / "a.txt", "--json")
     assert res.exit_code == 0 and json.loads(res.stdout)["adapt"]["segment"] == 40
     assert (tmp_path / "a.txt").read_bytes() == src.read_bytes()
+
+
+def test_any_bytes_round_trip(runs, tmp_path):
+    """`zlm compress` takes any file: binary data (every byte value, no UTF-8 structure)
+    comes back byte for byte, with and without --adapt."""
+    data = bytes(range(256)) + bytes(random.Random(5).randrange(256) for _ in range(700))
+    src = tmp_path / "blob.bin"
+    src.write_bytes(data)
+    for extra in ([], ["--adapt", "--segment", "40"]):
+        z = tmp_path / "blob.zlmz"
+        res = invoke("compress", runs[0], src, "-o", z, "--force", "--json", *extra)
+        assert res.exit_code == 0, res.output
+        assert json.loads(res.stdout)["original_bytes"] == len(data)
+        res = invoke("decompress", runs[0], z, "-o", tmp_path / "back.bin", "--force")
+        assert res.exit_code == 0, res.output
+        assert (tmp_path / "back.bin").read_bytes() == data
 
 
 def test_refusals_are_one_line_and_write_nothing(runs, tmp_path):
