@@ -103,6 +103,14 @@ class Parallel:
         """Sum floats across ranks (float64)."""
         return list(values)
 
+    def sum_(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum a tensor across ranks in place, on its device (no host read)."""
+        return t
+
+    def local_optimizer(self, optimizer) -> torch.optim.Optimizer:
+        """The optimizer that steps this rank's parameters (ZeRO's inner one under --zero)."""
+        return getattr(optimizer, "optim", optimizer)
+
     def gather_state(self, t: torch.Tensor) -> torch.Tensor:
         """(L, B, H) per rank -> (L, W*B, H) on every rank, ranks in order."""
         return t
@@ -174,6 +182,12 @@ class ProcessGroupParallel(Parallel):
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
         return t.tolist()
+
+    def sum_(self, t: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        dist.all_reduce(t)
+        return t
 
     def gather_state(self, t: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist

@@ -43,22 +43,25 @@ from zlm.training.step import forward_backward
 
 
 def build_optimizer(cfg: TrainConfig) -> tuple[type, dict]:
-    """The optimizer class and its keyword arguments (ZeRO wraps the same pair)."""
+    """The optimizer class and its keyword arguments (ZeRO wraps the same pair).
+
+    Fused: one kernel per step, and it takes a `found_inf` flag tensor that skips the
+    update on the device (parameters, moments and step count unchanged), so a non-finite
+    step needs no host read to be skipped (`Trainer.train_step`)."""
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD, dict(lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay)
+        return torch.optim.SGD, dict(lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay, fused=True)
     cls = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
-    return cls, dict(lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return cls, dict(lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
 
 
 @dataclass
 class StepResult:
-    """What one optimizer step reports: the mean loss over all ranks (nats per token)."""
+    """What one optimizer step reports, still on the device: read in batches (`_flush`)."""
 
-    loss: float
-    local_loss: float
-    grad_norm: float
-    finite: bool
+    step: int  # the step's number (1-based)
+    numbers: torch.Tensor  # (4,) fp32: mean loss over ranks, this rank's loss, grad norm, finite (1/0)
     tokens: int
+    lr: float
 
 
 class Trainer:
@@ -90,6 +93,7 @@ class Trainer:
         self.total_steps = _planned_steps(cfg, self.streams.windows_per_epoch)
         self.schedule = LRSchedule(cfg.schedule, cfg.lr, self.total_steps, cfg.time_budget)
         self.state, self.carried = TrainState(), None
+        self.pending: list[StepResult] = []  # steps whose numbers are not read yet (`_flush`)
         self.run = RunDir(self.run_dir)
         self.config = spec.to_dict()
         self.checkpointer = Checkpointer(self.run_dir, self.config, data, par, cfg.keep_last)
@@ -129,8 +133,10 @@ class Trainer:
                 result = self.train_step(self.streams.next())
                 self._record(result, meter)
                 if self.state.step % self.cfg.eval_every == 0:
+                    self._flush(meter)
                     self.validate()
                     self.save("every --eval-every steps")
+            self._flush(meter)
             self.state.elapsed = meter.elapsed()
             if stop.signal is None and (self.state.step % self.cfg.eval_every != 0 or self.state.step == 0):
                 self.validate()
@@ -147,30 +153,40 @@ class Trainer:
         return self.cfg.time_budget is not None and s.elapsed >= self.cfg.time_budget
 
     def train_step(self, batch: Batch) -> StepResult:
-        """One optimizer step on one TBPTT window: schedule, forward, loss, backward, clip, update."""
-        cfg, s, par = self.cfg, self.state, self.par
+        """One optimizer step on one TBPTT window: schedule, forward, loss, backward, clip, update.
+
+        Nothing here reads a tensor on the host: the loss, gradient norm and finite flag
+        stay on the device until `_flush` reads a batch of steps, and a non-finite step is
+        skipped on the device (the fused optimizer's `found_inf`, or fp16's GradScaler)."""
+        s, par = self.state, self.par
         x = batch.inputs.to(self.runtime.device, non_blocking=True)  # (T, B)
         y = batch.targets.to(self.runtime.device, non_blocking=True)  # (T, B)
         carried = self._carried_for(batch, x.shape[1])
+        lr = self.schedule.lr(s.step, s.elapsed)
         for g in self.optimizer.param_groups:
-            g["lr"] = self.schedule.lr(s.step, s.elapsed)
+            g["lr"] = lr
         self.ddp_model.train()
         loss, new_state = self.window(x, y, carried)  # forward + loss + backward (maybe a graph replay)
         self.scaler.unscale_(self.optimizer)
-        gnorm = torch.nn.utils.clip_grad_norm_(self.window.params, cfg.clip if cfg.clip > 0 else math.inf)
-        local_loss, gnorm = loss.item(), float(gnorm)  # host syncs: one each for loss and norm
+        clip = self.cfg.clip if self.cfg.clip > 0 else math.inf
+        gnorm = torch.nn.utils.clip_grad_norm_(self.window.params, clip).float()
+        bad = (~(torch.isfinite(loss) & torch.isfinite(gnorm))).float()
         # One all-reduce: every rank takes the same skip decision (ZeRO's step is a
         # collective) and rank 0 logs the mean loss over all ranks' streams.
-        loss_sum, n_bad = par.sum([local_loss, 0.0 if math.isfinite(local_loss) and math.isfinite(gnorm) else 1.0])
-        finite = n_bad == 0
-        if finite or self.scaler.is_enabled():
-            self.scaler.step(self.optimizer)  # the fp16 scaler skips non-finite steps itself
-            self.scaler.update()
+        summed = par.sum_(torch.stack([loss.float(), bad]))
+        finite = summed[1] == 0
+        if not self.scaler.is_enabled():  # the fp16 scaler sets found_inf itself
+            local = par.local_optimizer(self.optimizer)
+            local.grad_scale, local.found_inf = None, (~finite).float()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         s.step += 1
         s.epoch = self.streams.progress
-        self.carried = new_state if finite else None  # a poisoned state restarts from zero
-        return StepResult(loss_sum / par.world, local_loss, gnorm, finite, y.numel())
+        # A poisoned state restarts from zero, as a reset does.
+        self.carried = tuple(torch.where(finite, t, torch.zeros_like(t)) for t in new_state)
+        numbers = torch.stack([summed[0] / par.world, loss.float(), gnorm, finite.float()])
+        return StepResult(s.step, numbers, y.numel(), lr)
 
     def _forward_backward(self, x, y, h0, c0):
         return forward_backward(self.ddp_model, self.runtime, self.scaler, x, y, h0, c0,
@@ -238,33 +254,45 @@ class Trainer:
                            resumed_from=str(self.resumed_from) if self.resumed_from else None)
 
     def _record(self, r: StepResult, meter: _Meter) -> None:
-        """Log one step; every --log-every steps a train line with BPC, speed and ETA."""
-        s, par = self.state, self.par
-        if r.finite:
-            s.nonfinite = 0
-            meter.add(r.loss, r.tokens)
-            if par.is_main:
-                self.log.write("step", step=s.step, loss=r.loss, grad_norm=r.grad_norm,
-                               lr=self.optimizer.param_groups[0]["lr"])
-        else:
-            self._nonfinite(r)
-        if s.step % self.cfg.log_every == 0 and meter.tokens:
-            rec = meter.record(s, self.optimizer.param_groups[0]["lr"], self.total_steps, self.cfg.time_budget,
-                               self.chars_per_token, self.par.world)
-            if par.is_main:
-                self.log.write("train", **rec)
-            self.rep.log(rec)
+        """Keep one step's numbers; every --log-every steps read them and write a train line
+        with BPC, speed and ETA."""
+        self.pending.append(r)
+        if self.state.step % self.cfg.log_every == 0:
+            self._flush(meter)
+            if meter.tokens:
+                rec = meter.record(self.state, self.optimizer.param_groups[0]["lr"], self.total_steps,
+                                   self.cfg.time_budget, self.chars_per_token, self.par.world)
+                if self.par.is_main:
+                    self.log.write("train", **rec)
+                self.rep.log(rec)
 
-    def _nonfinite(self, r: StepResult) -> None:
+    def _flush(self, meter: _Meter) -> None:
+        """Read the pending steps' numbers in one host read; log each step, count non-finite
+        ones (raising NonFiniteError after --max-nonfinite in a row)."""
+        if not self.pending:
+            return
+        pending, self.pending = self.pending, []
+        rows = torch.stack([r.numbers for r in pending]).tolist()  # the one host read
+        s = self.state
+        for r, (loss, local_loss, gnorm, finite) in zip(pending, rows, strict=True):
+            if finite:
+                s.nonfinite = 0
+                meter.add(loss, r.tokens)
+                if self.par.is_main:
+                    self.log.write("step", step=r.step, loss=loss, grad_norm=gnorm, lr=r.lr)
+            else:
+                self._nonfinite(r.step, local_loss, gnorm)
+
+    def _nonfinite(self, step: int, loss: float, gnorm: float) -> None:
         s = self.state
         s.nonfinite += 1
-        self.rep.message(f"step {s.step}: non-finite loss or gradient ({r.local_loss}), "
+        self.rep.message(f"step {step}: non-finite loss or gradient ({loss}), "
                          f"update skipped ({s.nonfinite} in a row)")
         if self.par.is_main:
-            self.log.write("nonfinite", step=s.step, loss=r.local_loss, grad_norm=r.grad_norm)
+            self.log.write("nonfinite", step=step, loss=loss, grad_norm=gnorm)
         if s.nonfinite >= self.cfg.max_nonfinite:
             raise NonFiniteError(
-                f"{s.nonfinite} non-finite losses in a row at step {s.step}; the last good "
+                f"{s.nonfinite} non-finite losses in a row at step {step}; the last good "
                 f"checkpoint is {s.last_good or 'none yet'}; lower --lr or --clip and resume with --resume")
 
     def _finish(self, interrupted: int | None) -> dict:
