@@ -12,7 +12,6 @@ from typing import Annotated
 import typer
 
 from zlm.cli.render import handle_errors, print_pairs, use_rich
-from zlm.tools.info import describe
 
 
 @handle_errors
@@ -23,6 +22,8 @@ def command(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Model config, parameter count, tokenizer, step, best BPC and files, without loading tensors."""
+    from zlm.tools.info import describe
+
     info = describe(run)
     if as_json:
         typer.echo(json.dumps(info))
