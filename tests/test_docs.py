@@ -31,9 +31,9 @@ ROOTED = re.compile(r"(?<![\w./$~{}<>*-])((?:zlm|cli|tests|scripts|docs|corpora)
                     r"(?:zlm|cli|tests|scripts|docs|corpora)/)(?![\w{*<-])")
 # .md and .py files written as paths (README.md, cells/fused.py, conftest.py).
 FILES = re.compile(r"(?<![\w./$~{}<>*-])([\w][\w./-]*\.(?:md|py))(?![\w/(-])")
-# Bare names checked everywhere: docs pages and test modules (the files that move); other
-# bare .py names are checked in Markdown only (code names temporary files: tmp_path / "m.py").
-CHECKED_BARE = re.compile(r"[\w.-]+\.md|test_\w+\.py|conftest\.py")
+# Bare names checked everywhere: docs pages; bare .py names are checked in Markdown only
+# (code names temporary files: tmp_path / "m.py", a child pytest's test_skipping.py).
+CHECKED_BARE = re.compile(r"[\w.-]+\.md")
 
 # The exceptions, all for things made at run time: paths under these placeholders (a run,
 # a DATA_DIR, a command's OUT, a folder the user gives),
