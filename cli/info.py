@@ -61,6 +61,9 @@ def _rows(info: dict) -> list[tuple[str, str]]:
                             f"latest step {run['latest_step']}"))
     if info["data"]:
         rows.append(("data", info["data"]))
+    if info.get("parent"):
+        rows.append(("initialised from", f"{info['parent']['path']} (model sha256 "
+                                         f"{info['parent']['model_sha256'][:16]})"))
     if info["mismatches"]:
         rows.append(("WARNING", "tensors do not match config.json: " + "; ".join(info["mismatches"][:3])))
     for f in info["files"]:

@@ -112,6 +112,9 @@ def command(
                                         rich_help_panel=H_RUN)] = 0,
     mirror: Annotated[Path | None, _opt("Local copy of named corpora.", H_RUN,
                                         default="$ZLM_CORPORA, else the cache")] = None,
+    init_from: Annotated[Path | None, _opt("Start from a trained model (RUN_DIR or checkpoint): its weights, "
+                                           "shape and tokenizer; optimizer and schedule start fresh.", H_RUN,
+                                           default="none: random weights")] = None,
     unknown: Annotated[str | None, _opt("A raw SOURCE's characters missing from its train split: include "
                                         "(vocabulary from the whole text) | replace (U+FFFD) | error.", H_RUN,
                                         default="include for files; a named corpus's own convention")] = None,
@@ -126,10 +129,10 @@ def command(
         precision=precision, cuda_graphs=cuda_graphs, keep_last=keep_last, log_every=log_every,
         zero=zero or None)
     _train(source, options, out=out, preset=preset, resume=resume, mirror=mirror, unknown=unknown,
-           nproc=nproc, sample=sample)
+           nproc=nproc, sample=sample, init_from=init_from)
 
 
-def _train(source: str, options, *, out, preset, resume, mirror, unknown, nproc, sample) -> None:
+def _train(source: str, options, *, out, preset, resume, mirror, unknown, nproc, sample, init_from) -> None:
     """Plan, run, and turn the outcome into an exit code, a resume hint and the sample."""
     from zlm.core.rich_display import make_reporter
     from zlm.training.plan import plan
@@ -138,7 +141,7 @@ def _train(source: str, options, *, out, preset, resume, mirror, unknown, nproc,
     check_nproc(nproc)
     rep = make_reporter()
     planned = plan(source, options, out=out, preset=preset, resume=resume, mirror=mirror, unknown=unknown,
-                   world=nproc, reporter=rep)
+                   world=nproc, init_from=init_from, reporter=rep)
     again = f"zlm train {source} --out {planned.run_dir}" + (f" --nproc {nproc}" if nproc else "") + " --resume"
     outcome = run(planned, rep, nproc, again)
     if outcome.interrupted:

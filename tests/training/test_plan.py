@@ -151,7 +151,7 @@ def test_every_train_option_is_an_options_field():
     from zlm.cli import train as cli_train
 
     params = set(inspect.signature(cli_train.command).parameters)
-    run_level = {"source", "out", "resume", "preset", "nproc", "sample", "mirror", "unknown"}
+    run_level = {"source", "out", "resume", "preset", "nproc", "sample", "mirror", "unknown", "init_from"}
     assert params - run_level <= fields_of_options()
 
 

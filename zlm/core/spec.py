@@ -9,6 +9,7 @@ config.json, and `read_spec` is the one loader (`zlm train --resume`, `zlm eval`
                    "model": ModelConfig, "train": TrainConfig,
                    "resolved": {"precision", "cell", "kernel"},     what "auto" became
                    "defaults_rule": DefaultsRule | absent,          what the rule chose
+                   "parent": {"path", "model_sha256"} | absent,     --init-from's model
                    "data": {"path", "tokenizer", "unit"}, "world_size": N}
 
 A config.json of another format (or none: written before formats were numbered) is
@@ -83,6 +84,14 @@ class DataRef:
 
 
 @dataclass(frozen=True)
+class ParentRef:
+    """The model a fine-tuning run started from (`zlm train --init-from`; config.json "parent")."""
+
+    path: str  # the checkpoint directory whose weights were loaded, absolute
+    model_sha256: str  # of its model.safetensors
+
+
+@dataclass(frozen=True)
 class RunSpec:
     """One run, fully decided: the model, how it trains, on what, and what was resolved."""
 
@@ -93,6 +102,7 @@ class RunSpec:
     preset: str = "cpu-small"
     rule: DefaultsRule | None = None  # None: --preset given, or a library caller's own configs
     world_size: int = 1
+    parent: ParentRef | None = None  # the model this run was initialised from (--init-from)
     zlm_version: str = __version__
     format: int = FORMAT
 
@@ -102,6 +112,8 @@ class RunSpec:
              "data": asdict(self.data), "world_size": self.world_size}
         if self.rule is not None:
             d["defaults_rule"] = self.rule.to_dict()
+        if self.parent is not None:
+            d["parent"] = asdict(self.parent)
         return d
 
     @classmethod
@@ -118,7 +130,8 @@ class RunSpec:
             return cls(model=ModelConfig(**d["model"]), train=TrainConfig(**d["train"]),
                        resolved=Resolved(**d["resolved"]), data=DataRef(**d["data"]),
                        preset=d["preset"], world_size=int(d["world_size"]), zlm_version=d["zlm_version"],
-                       rule=DefaultsRule.from_dict(d["defaults_rule"]) if "defaults_rule" in d else None)
+                       rule=DefaultsRule.from_dict(d["defaults_rule"]) if "defaults_rule" in d else None,
+                       parent=ParentRef(**d["parent"]) if "parent" in d else None)
         except (KeyError, TypeError, ValueError, UsageError) as e:
             raise CheckpointError(f"{where} is damaged ({type(e).__name__}: {e}); use another checkpoint") from None
 

@@ -38,6 +38,7 @@ from zlm.data.tokenizers import (
     CharTokenizer,
     Tokenizer,
     check_unknown,
+    load_tokenizer,
     token_dtype,
     train_tokenizer,
 )
@@ -71,6 +72,11 @@ class PrepareConfig:
     format: "text" | "ptb-char" for file sources (named corpora carry their own).
     max_source_bytes: read source files only until their total size reaches this
         (whole files, at least one): quick looks at big folders, and tests.
+    base: a directory holding a tokenizer to start from (a checkpoint's dataset.json and
+        tokenizer file: `zlm train --init-from`). Its kind is used; a char vocabulary is
+        extended by the new text's characters ("include"), maps them to U+FFFD
+        ("replace", adding U+FFFD if it lacks it) or refuses them ("error"); byte and
+        sentencepiece tokenizers are used as they are.
     chunk_bytes: read size; memory use scales with it, results do not.
     """
 
@@ -84,6 +90,7 @@ class PrepareConfig:
     format: str = "text"
     max_source_bytes: int | None = None
     chunk_bytes: int = textio.CHUNK_BYTES
+    base: str | None = None
 
     def __post_init__(self):
         if self.tokenizer is not None and self.tokenizer not in KINDS:
@@ -117,6 +124,9 @@ def prepare(source, out, config: PrepareConfig = PrepareConfig(),
     out = pathlib.Path(out).expanduser()
     _check_out(out, force)
     plan = _plan(source, config)
+    base = _base_tokenizer(config.base) if config.base is not None else None
+    if base is not None:
+        plan = dataclasses.replace(plan, kind=base.kind)
     total = textio.disk_size(plan.files) * 2
     done = [0]
 
@@ -128,7 +138,7 @@ def prepare(source, out, config: PrepareConfig = PrepareConfig(),
     stream = Passes(plan, config.chunk_bytes, on_read)
     scan = stream.scan(want_sample=plan.kind in ("bpe", "unigram"))
     bounds = _boundaries(plan, scan.part_units)
-    tok = _build_tokenizer(plan, config, scan, bounds)
+    tok = _build_tokenizer(plan, config, scan, bounds) if base is None else _extend(base, plan, scan, bounds)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     tmp.mkdir()  # (not mkdtemp: the DATA_DIR should get the usual umask permissions)
@@ -253,6 +263,27 @@ def _build_tokenizer(plan: Plan, config: PrepareConfig, scan: Scan, bounds) -> T
         return CharTokenizer(chars + (["\ufffd"] if plan.unknown == "replace" else []))
     sample = scan.sample[:bounds[1]]
     return train_tokenizer(plan.kind, sample, config.vocab_size, _encode_policy(plan.unknown))
+
+
+def _base_tokenizer(directory: str) -> Tokenizer:
+    meta = json.loads((pathlib.Path(directory) / "dataset.json").read_text(encoding="utf-8"))
+    return load_tokenizer(directory, meta["tokenizer"])
+
+
+def _extend(base: Tokenizer, plan: Plan, scan: Scan, bounds) -> Tokenizer:
+    """The tokenizer of a text prepared from `base`: a char vocabulary grows by the text's
+    new characters (`--unknown include`), gains U+FFFD (replace) or refuses them (error)."""
+    if not isinstance(base, CharTokenizer):
+        return base
+    seen = np.flatnonzero(scan.first_pos < bounds[3])  # code points of the whole text
+    new = sorted(set(chr(c) for c in seen.tolist()) - set(base.chars))
+    if not new:
+        return base
+    if plan.unknown == "error":
+        raise DataError(f"character {new[0]!r} (U+{ord(new[0]):04X}) is not in the vocabulary of the model "
+                        f"trained from ({len(new)} new characters); pass --unknown include to extend it "
+                        "or --unknown replace to map them to U+FFFD")
+    return CharTokenizer(base.chars + (new if plan.unknown == "include" else ["\ufffd"]))
 
 
 def _encode_policy(unknown: str) -> str:

@@ -82,6 +82,8 @@ def describe(path) -> dict:
         "tokenizer": {"kind": tok.get("kind"), "vocab_size": tok.get("vocab_size"),
                       "unit": dataset.get("unit") or spec.data.unit},
         "data": spec.data.path,
+        "parent": None if spec.parent is None else {"path": spec.parent.path,
+                                                    "model_sha256": spec.parent.model_sha256},
         "train": spec.train.to_dict(),
         "files": files,
         "total_bytes": sum(f["bytes"] for f in files),

@@ -61,7 +61,7 @@ class CapturedStep:
         self.set_rng_state(rng)
 
     # The CUDA-specific part: four small methods, so that tests can check everything else
-    # on the CPU with an eager stand-in (tests/test_graphs.py).
+    # on the CPU with an eager stand-in (tests/training/test_graphs.py).
 
     def check_device(self, device: torch.device) -> None:
         if device.type != "cuda":

@@ -34,6 +34,7 @@ from zlm.data.dataset import Dataset
 from zlm.data.prepare import PrepareConfig, prepare
 from zlm.errors import UsageError
 from zlm.training import defaults, distributed
+from zlm.training.init_from import check_shape, find_parent
 from zlm.training.presets import Preset, get_preset
 from zlm.training.resolve import resolve_fresh
 from zlm.training.run_dir import RunDir, default_run_dir
@@ -50,12 +51,15 @@ class Plan:
 
 def plan(source: str | Path, options: Options = Options(), *, out: Path | None = None,
          preset: str | Preset | None = None, resume: bool = False, mirror: Path | None = None,
-         unknown: str | None = None, world: int | None = None, reporter: Reporter | None = None) -> Plan:
+         unknown: str | None = None, world: int | None = None, init_from: str | Path | None = None,
+         reporter: Reporter | None = None) -> Plan:
     """Plan a run of `source` (a DATA_DIR, a text file or a corpus name) with `options`.
 
     preset: a name, a `Preset` (a library caller's own configs) or None (the default
     preset adapted by the defaults rule). world: processes the run will have (default:
-    the launcher's WORLD_SIZE, else 1). Under torchrun only rank 0 plans for real; the
+    the launcher's WORLD_SIZE, else 1). init_from: a trained model (RUN_DIR or checkpoint)
+    whose weights, shape and tokenizer the new run starts from (`zlm.training.init_from`).
+    Under torchrun only rank 0 plans for real; the
     other ranks' plans are replaced by rank 0's when the Trainer starts.
     """
     rep = reporter or Reporter()
@@ -64,13 +68,18 @@ def plan(source: str | Path, options: Options = Options(), *, out: Path | None =
     resume = resume or restarted  # an elastic agent relaunched the job: resume
     world = world or distributed.world_from_env()
     run_dir = Path(out) if out is not None else default_run_dir(source, resume or world > 1)
+    parent = None
+    if init_from is not None:
+        parent = find_parent(init_from)
+        check_shape(parent, options)
+        options = parent.shape() | options
     if distributed.rank_from_env() != 0:
         data = _wait_for_data(source, run_dir)
         return Plan(run_dir, _fresh(data, options, preset, world, rep, use_rule=False))
     RunDir(run_dir).check(resume)
     if restarted:
         rep.message(f"elastic restart {distributed.restart_count()}: resuming from the latest checkpoint")
-    data = open_or_prepare(source, run_dir, mirror, rep, unknown)
+    data = open_or_prepare(source, run_dir, mirror, rep, unknown, None if parent is None else parent.path)
     latest = ckpt.latest_complete(run_dir, warn=rep.message) if resume else None
     if resume and latest is None:
         rep.message(f"no complete checkpoint in {run_dir}: starting fresh")
@@ -79,6 +88,10 @@ def plan(source: str | Path, options: Options = Options(), *, out: Path | None =
         spec = _resumed(read_spec(stored), data, options, preset, world, rep)
     else:
         spec = _fresh(data, options, preset, world, rep)
+        if parent is not None:
+            spec = replace(spec, parent=parent.ref)
+            rep.message(f"initialised from {parent.path} ({parent.spec.model.layers}x{parent.spec.model.hidden}, "
+                        f"vocabulary {parent.spec.model.vocab_size} -> {spec.model.vocab_size})")
     return Plan(run_dir, spec, latest)
 
 
@@ -133,8 +146,9 @@ def data_ref(data: Dataset) -> DataRef:
 
 
 def open_or_prepare(source: str, run_dir: Path, mirror: Path | None, rep: Reporter,
-                    unknown: str | None = None) -> Dataset:
-    """A prepared DATA_DIR as it is; anything else is prepared into RUN_DIR/data (char).
+                    unknown: str | None = None, base: Path | None = None) -> Dataset:
+    """A prepared DATA_DIR as it is; anything else is prepared into RUN_DIR/data (char, or
+    the tokenizer of `base`, a checkpoint directory: --init-from).
 
     A text file's vocabulary is every character of the whole file (`--unknown include`,
     as char-rnn and nanoGPT build it), so any UTF-8 text trains without flags; a named
@@ -153,8 +167,10 @@ def open_or_prepare(source: str, run_dir: Path, mirror: Path | None, rep: Report
     if unknown is None and source not in catalog.names():
         unknown = "include"
     vocab = {"include": ", vocabulary from the whole text", "replace": ", unseen characters -> U+FFFD"}
-    rep.message(f"preparing {source} into {data_dir} (char tokenizer, 90/5/5 split{vocab.get(unknown, '')})")
-    return prepare(source, data_dir, PrepareConfig(mirror=mirror, unknown=unknown))
+    tokenizer = "char tokenizer" if base is None else f"the tokenizer of {base}"
+    rep.message(f"preparing {source} into {data_dir} ({tokenizer}, 90/5/5 split{vocab.get(unknown, '')})")
+    return prepare(source, data_dir, PrepareConfig(mirror=mirror, unknown=unknown,
+                                                   base=None if base is None else str(base)))
 
 
 def _wait_for_data(source: str, run_dir: Path, timeout: float = 3600.0) -> Dataset:
