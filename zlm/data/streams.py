@@ -11,6 +11,11 @@ exactly the batches an uninterrupted run would have:
 - `ShuffledChunks` (`--state reset`, the paper's protocol): non-overlapping chunks of
   bptt+1 tokens from a random offset each epoch, shuffled, the state reset every batch.
   The permutation is a pure function of (seed, epoch), so the state is two integers.
+
+Either reads its windows from the memory-mapped split (numpy fancy indexing, then a copy
+to the device), or, after `make_resident(device)`, from a copy of the whole split on the
+device, where each window is one gather and nothing crosses to the device per step. Both
+give the same batches and the same state, so a run resumes exactly on either path.
 """
 
 from __future__ import annotations
@@ -30,12 +35,22 @@ class Batch:
     reset: bool  # the hidden state must start from zero for this batch
 
 
-def read_window(tokens: np.ndarray, starts: np.ndarray, offset: int, length: int) -> torch.Tensor:
+def read_window(tokens, starts, offset: int, length: int) -> torch.Tensor:
     """Tokens offset .. offset+length (inclusive) of every stream starting at `starts` (B,):
     (length + 1, B) int64, inputs [:-1] and targets [1:]. Reads only those tokens, so a
-    memory-mapped split is never loaded whole (training and evaluation both read this way)."""
+    memory-mapped split is never loaded whole (training and evaluation both read this way).
+    tokens/starts: numpy arrays, or tensors on one device (a resident split)."""
+    if isinstance(tokens, torch.Tensor):
+        steps = torch.arange(length + 1, device=tokens.device)[:, None]
+        return tokens[starts[None, :] + offset + steps].long()  # (T+1, B) on tokens' device
     idx = starts[None, :] + offset + np.arange(length + 1)[:, None]  # (T+1, B)
     return torch.from_numpy(np.asarray(tokens[idx], dtype=np.int64))
+
+
+def resident_copy(tokens: np.ndarray, device: torch.device) -> torch.Tensor:
+    """The whole split on `device`: uint8 ids as they are, wider ones as int32 (N,)."""
+    dtype = np.uint8 if tokens.dtype == np.uint8 else np.int32
+    return torch.from_numpy(np.ascontiguousarray(tokens, dtype=dtype)).to(device)
 
 
 def _check_size(n_tokens: int, need: int, what: str) -> None:
@@ -58,6 +73,12 @@ class CarryStreams:
         self.starts = first * self.stream_len  # (B,) offset of each stream in the split
         self.pos = 0  # offset within every stream of the next window
         self.epoch = 0
+        self._source, self._starts = tokens, self.starts  # where windows are read from
+
+    def make_resident(self, device: torch.device) -> None:
+        """Read every later window from a copy of the split on `device`."""
+        self._source = resident_copy(self.tokens, device)
+        self._starts = torch.from_numpy(self.starts).to(device)
 
     @property
     def windows_per_epoch(self) -> int:
@@ -71,7 +92,7 @@ class CarryStreams:
     def next(self) -> Batch:
         reset = self.pos == 0
         T = min(self.bptt, self.stream_len - 1 - self.pos)
-        window = read_window(self.tokens, self.starts, self.pos, T)  # (T+1, B)
+        window = read_window(self._source, self._starts, self.pos, T)  # (T+1, B)
         batch = Batch(window[:-1], window[1:], reset)
         self.pos += T
         if self.pos >= self.stream_len - 1:
@@ -94,6 +115,12 @@ class ShuffledChunks:
         _check_size(len(tokens), batch * world * (bptt + 1) + bptt, f"batch {batch * world} of bptt {bptt}")
         self.epoch = 0
         self.index = 0  # next global batch within the epoch
+        self._source = tokens  # where windows are read from (`make_resident`)
+        self._plan()
+
+    def make_resident(self, device: torch.device) -> None:
+        """Read every later window from a copy of the split on `device`."""
+        self._source = resident_copy(self.tokens, device)
         self._plan()
 
     def _plan(self) -> None:
@@ -102,6 +129,8 @@ class ShuffledChunks:
         n_chunks = (len(self.tokens) - offset) // (self.bptt + 1)
         self.chunk_starts = offset + (self.bptt + 1) * rng.permutation(n_chunks)
         self.batches_per_epoch = n_chunks // (self.batch * self.world)
+        if isinstance(self._source, torch.Tensor):
+            self.chunk_starts = torch.from_numpy(self.chunk_starts).to(self._source.device)
 
     @property
     def windows_per_epoch(self) -> int:
@@ -118,7 +147,7 @@ class ShuffledChunks:
             self._plan()
         g = self.index * self.batch * self.world + self.rank * self.batch
         starts = self.chunk_starts[g : g + self.batch]  # (B,)
-        window = read_window(self.tokens, starts, 0, self.bptt)  # (T+1, B)
+        window = read_window(self._source, starts, 0, self.bptt)  # (T+1, B)
         self.index += 1
         return Batch(window[:-1], window[1:], True)
 

@@ -31,6 +31,7 @@ from zlm.core.reporter import Reporter
 from zlm.data.dataset import Dataset
 from zlm.data.streams import Batch, make_streams
 from zlm.errors import NonFiniteError
+from zlm.model.cells.masks import mix_words
 from zlm.model.lm import State, ZoneoutLM
 from zlm.training import distributed
 from zlm.training.graphs import WindowStep, graphs_unavailable_reason, resolve_graphs
@@ -41,6 +42,8 @@ from zlm.training.run_dir import RunDir
 from zlm.training.schedule import LRSchedule
 from zlm.training.state import Checkpointer, RNGState, TrainState
 from zlm.training.step import forward_backward
+
+RESIDENT_SHARE = 0.25  # of free device memory the training split may take to live there
 
 
 def build_optimizer(cfg: TrainConfig) -> tuple[type, dict]:
@@ -93,6 +96,7 @@ class Trainer:
         self.scaler = self.runtime.grad_scaler()
         self.streams = make_streams(cfg.state, data.tokens("train"), cfg.batch_size, cfg.bptt, cfg.seed,
                                     par.rank, par.world)
+        self.data_line, self.pin = self._place_data()
         self.total_steps = _planned_steps(cfg, self.streams.windows_per_epoch)
         self.schedule = LRSchedule(cfg.schedule, cfg.lr, self.total_steps, cfg.time_budget)
         self.state, self.carried = TrainState(), None
@@ -162,8 +166,11 @@ class Trainer:
         stay on the device until `_flush` reads a batch of steps, and a non-finite step is
         skipped on the device (the fused optimizer's `found_inf`, or fp16's GradScaler)."""
         s, par = self.state, self.par
-        x = batch.inputs.to(self.runtime.device, non_blocking=True)  # (T, B)
-        y = batch.targets.to(self.runtime.device, non_blocking=True)  # (T, B)
+        x, y = batch.inputs, batch.targets  # (T, B) each
+        if self.pin:  # host windows: copied from pinned memory while the device works
+            x, y = x.pin_memory(), y.pin_memory()
+        x = x.to(self.runtime.device, non_blocking=True)
+        y = y.to(self.runtime.device, non_blocking=True)
         carried = self._carried_for(batch, x.shape[1])
         lr = self.schedule.lr(s.step, s.elapsed)
         for g in self.optimizer.param_groups:
@@ -190,6 +197,22 @@ class Trainer:
         self.carried = tuple(torch.where(finite, t, torch.zeros_like(t)) for t in new_state)
         numbers = torch.stack([summed[0] / par.world, loss.float(), gnorm, finite.float()])
         return StepResult(s.step, numbers, y.numel(), lr)
+
+    def _place_data(self) -> tuple[str, bool]:
+        """Put the training split on the device when it fits RESIDENT_SHARE of its free
+        memory (every window is then one gather there); else windows are copied from
+        pinned host memory. -> (line for the start display, pin host windows)."""
+        device = self.runtime.device
+        if device.type != "cuda":
+            return "windows read from the memory-mapped split", False
+        tokens = self.data.tokens("train")
+        need = len(tokens) * (1 if tokens.dtype == np.uint8 else 4)
+        free, _ = torch.cuda.mem_get_info(device)
+        if need > RESIDENT_SHARE * free:
+            return (f"windows copied from pinned memory (the split, {need / 2**20:,.0f} MiB, is over "
+                    f"{RESIDENT_SHARE:.0%} of free device memory)"), True
+        self.streams.make_resident(device)
+        return f"resident on {device} ({need / 2**20:,.0f} MiB)", False
 
     def _forward_backward(self, x, y, h0, c0):
         return forward_backward(self.ddp_model, self.runtime, self.scaler, x, y, h0, c0,
@@ -245,7 +268,7 @@ class Trainer:
             "run": str(self.run_dir), "parameters": f"{self.model.num_parameters():,}",
             "cell": f"{self.cell.name} ({self.cell.reason})",
             "runtime": f"{self.runtime.describe()} ({self.resolved.why})",
-            "cuda graphs": self.graphs_line, "processes": self.par.describe(),
+            "cuda graphs": self.graphs_line, "processes": self.par.describe(), "train split": self.data_line,
             "data": f"{self.data.path} ({self.data.meta['tokenizer']['kind']}, vocab {self.data.vocab_size}, "
                     f"{info.tokens:,} train tokens)",
             "plan": describe_plan(self.cfg, self.total_steps, self.streams.windows_per_epoch),
@@ -375,11 +398,17 @@ def reset_some(state: State, prob: float, key: tuple) -> State:
     Without it a stream starts from a zero state only once per epoch, so an early model
     never learns to start mid-text, which is exactly what evaluation's parallel streams
     ask of it. The draw depends only on (seed, rank, step): resuming repeats it exactly.
+    It is made on the state's device from splitmix64 words of that key (the zoneout
+    masks' generator), the same bits on every device, with no host read.
     """
-    drop = np.random.default_rng(key).random(state[0].shape[1]) < prob  # (B,)
-    if not drop.any():
+    if prob <= 0:
         return state
-    keep = torch.from_numpy(~drop).to(state[0].device, state[0].dtype)[None, :, None]  # (1, B, 1)
+    seed, rank, step = key
+    word = ((seed << 40) + (rank << 32) + step) % (1 << 64)
+    word = word - (1 << 64) if word >= 1 << 63 else word  # as int64
+    words = mix_words(torch.tensor(word, dtype=torch.int64, device=state[0].device), state[0].shape[1])  # (B,)
+    uniform = (words & ((1 << 53) - 1)).double() * 2.0 ** -53  # (B,) in [0, 1)
+    keep = (uniform >= prob).to(state[0].dtype)[None, :, None]  # (1, B, 1)
     return state[0] * keep, state[1] * keep
 
 
