@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -175,8 +176,8 @@ def test_split_evaluation_needs_the_training_data(run, tmp_path):
     cfg = json.loads((lm.path / "config.json").read_text())
     data = tmp_path / "moved-data"
     shutil.copytree(cfg["data"]["path"], data)
-    lm.config["data"]["path"] = str(tmp_path / "gone")
+    lm.spec = replace(lm.spec, data=replace(lm.spec.data, path=str(tmp_path / "gone")))
     with pytest.raises(DataError, match="is gone; evaluate a text file instead with --file"):
         lm.evaluate_split("valid")
-    lm.config["data"]["path"] = str(data)
+    lm.spec = replace(lm.spec, data=replace(lm.spec.data, path=str(data)))
     assert lm.evaluate_split("test").tokens == Dataset.open(data).split_info("test").tokens - 1

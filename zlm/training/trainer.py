@@ -294,7 +294,7 @@ class Trainer:
 
     def _flush(self, meter: _Meter) -> None:
         """Read the pending steps' numbers in one host read; log each step, count non-finite
-        ones (raising NonFiniteError after --max-nonfinite in a row)."""
+        ones (raising NonFiniteError after max_nonfinite of them in a row)."""
         if not self.pending:
             return
         pending, self.pending = self.pending, []
