@@ -9,8 +9,8 @@ reachable without the open web:
   its .deb checked against the pinned SHA-256, unpacked with `dpkg-deb -x`, and its text
   assembled by a rule ("files": every file under a folder, sorted by relative path;
   "sword": a SWORD zText/zCom module decoded and its OSIS markup turned into plain lines);
-- "shared": a file of the shared corpora folder ($ZLM_SHARED, see `shared_file`, or the
-  catalog's mirror and cache);
+- "repo": a text shipped in this repository (`repo_file`: tiny Shakespeare, which the
+  tests read), else the catalog corpus of that name (mirror, cache);
 - "builtin": zlm's own `stdlib` corpus (the running Python's sources), used by name.
 
 Every produced OUT/<name>/input.txt is checked against the pinned SHA-256 of the text,
@@ -36,9 +36,8 @@ from zlm.data import catalog, textio
 from zlm.data.sword import osis_to_text, sword_blocks
 from zlm.errors import DataError, UsageError
 
-SOURCE_TYPES = ("deb", "shared", "builtin")
+SOURCE_TYPES = ("deb", "repo", "builtin")
 ENV_BENCH = "ZLM_BENCH_CORPORA"  # where the recipe looks for OUT_DIR by default
-ENV_SHARED = "ZLM_SHARED"
 Fetcher = Callable[[dict, pathlib.Path], pathlib.Path]  # (source, workdir) -> unpacked root
 
 
@@ -46,7 +45,7 @@ Fetcher = Callable[[dict, pathlib.Path], pathlib.Path]  # (source, workdir) -> u
 class BenchCorpus:
     """One corpus of the benchmark set, as benchmark.json pins it.
 
-    source: {"type": "deb", "package", "version", "sha256"} | {"type": "shared", "path"}
+    source: {"type": "deb", "package", "version", "sha256"} | {"type": "repo", "path"}
         | {"type": "builtin", "name"}. assemble: the rule that turns the unpacked package
     into text (deb only). text: the pinned {"sha256", "characters", "bytes", "vocabulary"}
     of input.txt (absent for builtin corpora, whose text is the running Python's).
@@ -235,32 +234,28 @@ def _apt_candidate(pkg: str) -> str:
     return f"version {m.group(1)}" if m and m.group(1) != "(none)" else "no version"
 
 
-def shared_file(source: dict) -> pathlib.Path:
-    """A file of the shared corpora folder: $ZLM_SHARED, a folder named shared beside the
-    working directory or beside this checkout, else the catalog corpus of that name
-    (mirror, cache)."""
-    rel = pathlib.Path(source["path"])
-    roots = [os.environ.get(ENV_SHARED), pathlib.Path.cwd().parent / "shared",
-             pathlib.Path(__file__).resolve().parents[2].parent / "shared"]
-    for root in roots:
-        if root and (pathlib.Path(root) / rel).is_file():
-            return pathlib.Path(root) / rel
+def repo_file(source: dict) -> pathlib.Path:
+    """A text shipped in this repository (path relative to its root), else - an installed
+    zlm without the repository - the catalog corpus of that name (mirror, cache)."""
+    path = pathlib.Path(__file__).resolve().parents[2] / source["path"]
+    if path.is_file():
+        return path
     name = source.get("catalog")
     if name:
         try:
             return catalog.locate(name).files[0]
         except Exception:  # noqa: BLE001 - any failure: the hint below is the fix
             pass
-    raise DataError(f"{rel} not found in $ZLM_SHARED or a shared folder; set {ENV_SHARED}=DIR "
-                    f"(a folder holding {rel})")
+    raise DataError(f"{source['path']} is not in this installation; run from a clone of the zlm "
+                    f"repository or fetch the corpus with scripts/fetch-corpora")
 
 
 def corpus_text(corpus: BenchCorpus, workdir: pathlib.Path,
                 fetcher: Fetcher) -> tuple[str, list[str]]:
     """The text of one non-builtin corpus, fetched and assembled (not yet verified), and
     the files it was made of."""
-    if corpus.source["type"] == "shared":
-        path = shared_file(corpus.source)
+    if corpus.source["type"] == "repo":
+        path = repo_file(corpus.source)
         return decode_utf8(path.read_bytes(), corpus.source["path"]), [str(path)]
     root = fetcher(corpus.source, workdir)
     rule = corpus.assemble or {}
@@ -346,13 +341,13 @@ def fetch_corpora(out, only: str | None = None, spec=None, fetcher: Fetcher = ap
 
 def corpus_source(corpus: BenchCorpus, corpora_dir: pathlib.Path) -> str:
     """What `zlm prepare` reads for a corpus: OUT_DIR/<name>/input.txt, a built-in corpus
-    by name, or (tiny Shakespeare not fetched) the shared file where `shared_file` finds it."""
+    by name, or (tiny Shakespeare not fetched) the repository's copy (`repo_file`)."""
     if corpus.source["type"] == "builtin":
         return corpus.source["name"]
     path = corpora_dir / corpus.name / "input.txt"
     if path.is_file():
         return str(path)
-    if corpus.source["type"] == "shared":
-        return str(shared_file(corpus.source))
+    if corpus.source["type"] == "repo":
+        return str(repo_file(corpus.source))
     raise UsageError(f"{path} is missing; run scripts/fetch-corpora {corpora_dir} first "
                      f"(or pass --corpora DIR, or set {ENV_BENCH})")
