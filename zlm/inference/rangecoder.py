@@ -13,8 +13,10 @@ byte and a count of pending 0xFF bytes, `range` stays in [2**24, 2**32) between 
 
 Coding loss: the r * 2**bits <= range truncation wastes at most 2**bits / 2**24 of the
 range per symbol (<= 2**-8 with 16-bit frequencies, ~2**-12 on average), i.e. well under
-0.01 bits per symbol; `finish` adds 5 bytes. A decoder that reads past the end of its
-input gets zero bytes and counts them (`overrun`), so truncation is detectable.
+0.01 bits per symbol; `finish` adds 5 bytes (compact: the first byte, always 0, and
+trailing zero bytes left out). A decoder that reads past the end of its input gets zero
+bytes and counts them (`overrun`): with the full flush that reveals a truncation; with
+compact=True the missing zeros are expected, and the length must be checked elsewhere.
 """
 
 from __future__ import annotations
@@ -69,10 +71,14 @@ class RangeEncoder:
                 low = self.low
         self.low, self.range = low, rng
 
-    def finish(self) -> bytes:
-        """Flush: 5 shifts push out `low` and the held-back bytes. Returns all bytes."""
+    def finish(self, compact: bool = False) -> bytes:
+        """Flush: 5 shifts push out `low` and the held-back bytes. Returns all bytes; with
+        compact=True without the first byte (always 0) and the trailing zero bytes, which
+        a decoder made with compact=True supplies itself."""
         for _ in range(5):
             self._shift_low()
+        if compact:
+            return bytes(self.out[1:]).rstrip(b"\0")
         return bytes(self.out)
 
     @property
@@ -83,15 +89,15 @@ class RangeEncoder:
 class RangeDecoder:
     """Decodes what `RangeEncoder` wrote: `target` -> find the symbol -> `consume`."""
 
-    def __init__(self, data: bytes, start: int = 0):
+    def __init__(self, data: bytes, start: int = 0, compact: bool = False):
         self.data = data
         self.pos = start
         self.overrun = 0  # bytes read past the end (returned as 0)
         self.range = MASK32
         self.code = 0
         self._r = 0
-        for _ in range(5):  # the first byte is the encoder's initial cache, always 0
-            self.code = ((self.code << 8) | self._byte()) & MASK32
+        for _ in range(4 if compact else 5):  # the first byte is the encoder's initial
+            self.code = ((self.code << 8) | self._byte()) & MASK32  # cache, always 0
 
     def _byte(self) -> int:
         if self.pos < len(self.data):
