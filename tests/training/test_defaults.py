@@ -211,3 +211,54 @@ def test_train_prints_stores_and_resumes_with_the_rule(tmp_path, monkeypatch):
                             "--max-steps", "2", *TINY])
     assert r.exit_code == 0, r.output
     assert "defaults_rule" not in json.loads((tmp_path / "p" / "config.json").read_text())
+
+
+def _gpu(fused: dict, plain: dict | None = None) -> defaults.GpuSpeeds:
+    return defaults.GpuSpeeds(fused, plain if plain is not None else {b: v / 2 for b, v in fused.items()})
+
+
+def test_on_cuda_the_batch_is_the_smallest_near_the_fastest():
+    speeds = _gpu({32: 1.0e6, 64: 1.9e6, 128: 3.0e6, 256: 3.3e6})  # 0.8 x 3.3M = 2.64M: 128 is enough
+    assert speeds.batch() == 128
+    assert _gpu({32: 3.0e6, 64: 3.1e6}).batch() == 32  # already near the fastest
+    # The regime, size and steps follow from the chosen batch's reading.
+    rule = decide(RunLength(10_594_014, time_budget=TEN_MINUTES, vocab_size=65), gpu=speeds)
+    plain = decide(RunLength(10_594_014, time_budget=TEN_MINUTES, vocab_size=65, tokens_per_step=128 * 100,
+                             batch=128), 3.0e6)
+    assert rule.expected_epochs == pytest.approx(plain.expected_epochs)
+    assert rule.settings.hidden == plain.settings.hidden == 1024
+    assert rule.settings.batch_size == 128 and rule.settings.eval_streams == defaults.CUDA_EVAL_STREAMS
+    assert rule.settings.eval_every == plain.settings.eval_every
+    assert "CUDA: batch 128" in rule.line
+
+
+def test_on_cuda_a_data_rich_run_keeps_the_graphed_fused_cell_unless_cudnn_is_faster():
+    length = RunLength(500_000_000, time_budget=TEN_MINUTES, vocab_size=65)
+    faster_fused = decide(length, gpu=_gpu({64: 2e6}, {64: 1e6}))
+    assert faster_fused.regime == "data-rich" and faster_fused.settings.cell == "fused"
+    assert faster_fused.settings.zoneout_cell == 0.0
+    faster_cudnn = decide(length, gpu=_gpu({64: 1e6}, {64: 2e6}))
+    assert faster_cudnn.regime == "data-rich" and faster_cudnn.settings.cell is None  # auto: plain
+    regularised = decide(RunLength(1_000_000, time_budget=TEN_MINUTES, vocab_size=65), gpu=_gpu({64: 2e6}))
+    assert regularised.regime == "regularised" and regularised.settings.cell is None
+
+
+def test_the_expected_passes_grow_smoothly_with_the_measured_speed():
+    """No cliff in the rule's inputs: passes are proportional to the speed at a fixed size."""
+    base = RunLength(3_000_000, time_budget=TEN_MINUTES, vocab_size=65)
+    epochs = [decide(base, s, hidden=512).expected_epochs for s in (1e4, 2e4, 4e4)]
+    assert epochs[1] == pytest.approx(2 * epochs[0]) and epochs[2] == pytest.approx(4 * epochs[0])
+
+
+def test_the_plan_probes_the_gpu_branch_on_cuda(corpus, tmp_path, monkeypatch):
+    """With a CUDA device the planner asks for GPU readings (the probe is fixed here)."""
+    monkeypatch.setattr("zlm.training.plan.resolve_device", lambda *a, **k: __import__("torch").device("cuda"))
+    monkeypatch.setattr("zlm.training.plan.resolve_fresh", lambda train, model, device, on_event=None:
+                        __import__("zlm.core.spec", fromlist=["Resolved"]).Resolved("bf16", "fused", "triton"))
+    seen = {}
+    monkeypatch.setattr(speed_probe, "probe_gpu", lambda model, train, batch, **k:
+                        seen.setdefault("batch", batch) and None or _gpu({32: 1e5, 64: 1.9e5}))
+    monkeypatch.setattr(speed_probe, "probe_tokens_per_s", lambda *a, **k: pytest.fail("the CPU probe ran"))
+    spec = plan(corpus.path, Options(time_budget=60.0, device="cuda"), out=tmp_path / "g").spec
+    assert seen == {"batch": None} and spec.train.batch_size == 64 and spec.train.eval_streams == 64
+    assert "CUDA: batch 64" in spec.rule.line

@@ -15,6 +15,12 @@ probe's tokens/s) and returns a `DefaultsRule` whose settings are typed `Options
     E <  OVERFIT_EPOCHS   the "data-rich" regime (no zoneout: torch's LSTM kernel)
     no run length         "open": the preset as it is (it may run for many epochs)
 
+On CUDA the probe times the step the run will take (graphed fused cell, the resolved
+precision) at each of CUDA_BATCHES, and torch's LSTM (cuDNN) beside it (`GpuSpeeds`):
+the batch is the smallest whose speed is within BATCH_SPEED_SHARE of the fastest (more
+updates for the same text), validation runs CUDA_EVAL_STREAMS streams, and a data-rich
+run keeps the fused cell (zoneout 0) unless cuDNN measured faster.
+
 With a length, validation runs about EVALS_PER_RUN times (--eval-every). Explicit
 options win over every choice. The decision is stored in config.json ("defaults_rule")
 and a resumed run reads it back instead of deciding again. How each constant was chosen,
@@ -26,7 +32,7 @@ Nothing here imports torch (`zlm train --help` quotes these constants).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from zlm.core.config import Options
 from zlm.core.spec import DefaultsRule
@@ -38,6 +44,9 @@ MIN_EVAL_EVERY = 50
 HIDDEN_SIZES = (128, 256, 384, 512, 768, 1024)  # the sizes the rule picks from (more: --hidden)
 TOKENS_PER_PARAMETER = 10.0  # a model should train on at least this many tokens per parameter
 PROBE_HIDDEN = 512  # the size whose speed the probe measures (unless --hidden is given)
+CUDA_BATCHES = (32, 64, 128, 256)  # the batches the CUDA probe times
+BATCH_SPEED_SHARE = 0.8  # the smallest batch within this share of the fastest's tokens/s
+CUDA_EVAL_STREAMS = 64  # validation streams on CUDA (more streams fill the device)
 
 
 @dataclass(frozen=True)
@@ -70,6 +79,20 @@ RULED = ("hidden", *REGIMES["regularised"].options().given(), "eval_every")
 
 
 @dataclass(frozen=True)
+class GpuSpeeds:
+    """The CUDA probe's readings, training tokens/s by batch: the graphed fused cell with
+    zoneout (what the run takes) and torch's LSTM on cuDNN (no zoneout, not graphed)."""
+
+    fused: dict[int, float]
+    plain: dict[int, float]
+
+    def batch(self) -> int:
+        """The smallest batch within BATCH_SPEED_SHARE of the fastest fused reading."""
+        best = max(self.fused.values())
+        return min(b for b, v in self.fused.items() if v >= BATCH_SPEED_SHARE * best)
+
+
+@dataclass(frozen=True)
 class RunLength:
     """What the rule knows about a run before it starts."""
 
@@ -84,6 +107,7 @@ class RunLength:
     embed: int = 64
     bptt: int = 100  # the window tokens_per_step counts
     bptt_given: bool = False  # --bptt was given: no regime changes it
+    batch: int = 32  # the batch tokens_per_step counts
 
     @property
     def known(self) -> bool:
@@ -92,9 +116,10 @@ class RunLength:
     def step_tokens(self, settings: Options) -> int:
         """Tokens per optimizer step under a regime's settings (`decide` leaves their bptt
         out when --bptt was given)."""
-        if settings.bptt is None:
-            return self.tokens_per_step
-        return self.tokens_per_step * settings.bptt // self.bptt
+        tokens = self.tokens_per_step
+        if settings.batch_size is not None:
+            tokens = tokens * settings.batch_size // self.batch
+        return tokens if settings.bptt is None else tokens * settings.bptt // self.bptt
 
 
 def parameters(vocab_size: int, hidden: int, embed: int, layers: int = 1) -> int:
@@ -140,12 +165,15 @@ def choose_hidden(length: RunLength, tokens_per_s: float | None, probe_hidden: i
 
 
 def decide(length: RunLength, tokens_per_s: float | None = None, hidden: int | None = None,
-           probe_hidden: int = PROBE_HIDDEN) -> DefaultsRule:
+           probe_hidden: int = PROBE_HIDDEN, gpu: GpuSpeeds | None = None) -> DefaultsRule:
     """The regime and settings for a run of `length` at `tokens_per_s` (pure: no probe).
 
     hidden: --hidden when given (the size the regime is judged for; the rule does not
-    choose one then). probe_hidden: the size `tokens_per_s` was measured with.
+    choose one then). probe_hidden: the size `tokens_per_s` was measured with. gpu: the
+    CUDA probe's readings (they give the batch and the speed instead of tokens_per_s).
     """
+    if gpu is not None and length.known:
+        return _decide_gpu(length, gpu, hidden, probe_hidden)
     if not length.known:
         return DefaultsRule("open", None, tokens_per_s, Options(), "no --time-budget, --epochs or --max-steps: "
                             "the cpu-small preset as it is (regularised, constant lr)")
@@ -160,6 +188,21 @@ def decide(length: RunLength, tokens_per_s: float | None = None, hidden: int | N
     settings = settings | Options(hidden=None if hidden is not None else size, eval_every=eval_every)
     return DefaultsRule(regime, epochs, tokens_per_s, settings,
                         _line(regime, epochs, tokens_per_s, probe_hidden, size, settings))
+
+
+def _decide_gpu(length: RunLength, gpu: GpuSpeeds, hidden: int | None, probe_hidden: int) -> DefaultsRule:
+    """The CUDA branch: the batch from the readings, then the size and regime at its speed."""
+    batch = gpu.batch()
+    tokens_per_step = length.tokens_per_step * batch // length.batch
+    rule = decide(replace(length, tokens_per_step=tokens_per_step, batch=batch), gpu.fused[batch], hidden,
+                  probe_hidden)
+    extra = Options(batch_size=batch, eval_streams=CUDA_EVAL_STREAMS)
+    plain = gpu.plain.get(batch, 0.0)
+    if rule.regime == "data-rich" and gpu.fused[batch] >= plain:
+        extra = extra | Options(cell="fused")  # zoneout 0, but graphed: faster than cuDNN here
+    why = (f"; CUDA: batch {batch} (graphed fused cell {gpu.fused[batch]:,.0f} tokens/s, "
+           f"cuDNN {plain:,.0f}{', so the fused cell' if extra.cell == 'fused' else ''})")
+    return replace(rule, settings=rule.settings | extra, line=rule.line + why)
 
 
 def _line(regime: str, epochs: float, tokens_per_s: float | None, probe_hidden: int, size: int,

@@ -112,12 +112,15 @@ def _rule(base: Preset, data: Dataset, options: Options, world: int, rep: Report
     length = defaults.RunLength(data.split_info("train").tokens, train.time_budget, train.epochs,
                                 train.max_steps, train.batch_size * train.bptt * world, data.vocab_size,
                                 model.embed, train.bptt, options.bptt is not None)
-    speed = None
+    speed = gpu = None
     if defaults.needs_probe(length):
-        from zlm.training.speed_probe import probe_tokens_per_s
+        from zlm.training import speed_probe
 
-        speed = probe_tokens_per_s(model, train, on_event=rep.message)
-    rule = defaults.decide(length, speed, options.hidden, model.hidden)
+        if resolve_device(train.device, 0).type == "cuda":
+            gpu = speed_probe.probe_gpu(model, train, options.batch_size, on_event=rep.message)
+        else:
+            speed = speed_probe.probe_tokens_per_s(model, train, on_event=rep.message)
+    rule = defaults.decide(length, speed, options.hidden, model.hidden, gpu)
     rep.message(f"no --preset given: {base.name} with the defaults rule: {rule.line}; "
                 "explicit options override it")
     return rule
