@@ -18,7 +18,7 @@ from zlm.core.reporter import fmt_duration
 if TYPE_CHECKING:
     from zlm.tools.compare import Comparison
 
-RESULT_HEADERS = (("best_valid_bpc", "best valid BPC"), ("test_bpc", "test BPC"),
+RESULT_HEADERS = (("best_valid_bpc", "best valid BPC"), ("test_bpc", "test BPC"), ("gap", "gap"),
                   ("parameters", "params"), ("chars_per_s", "chars/s"),
                   ("train_time_s", "train time"))
 # Short headers for the usual settings (the JSON keeps the config names).
@@ -34,7 +34,7 @@ def command(
         show_default=False)],
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
-    """Settings that differ across runs, best valid BPC, test BPC, size, speed and time."""
+    """Settings that differ across runs, best valid BPC, test BPC, the generalisation gap, size, speed and time."""
     from zlm.tools.compare import compare_runs
 
     comparison = compare_runs(runs)
@@ -71,6 +71,8 @@ def _cell(key: str, value) -> str:
         return "-"
     if key in ("best_valid_bpc", "test_bpc"):
         return f"{value:.4f}"
+    if key == "gap":
+        return f"{value:+.4f}"
     if key == "parameters":
         return f"{value:,}"
     if key == "chars_per_s":

@@ -55,6 +55,10 @@ def _rows(info: dict) -> list[tuple[str, str]]:
         ("step", str(info["step"])),
         ("best valid BPC", _bpc(info["best_valid_bpc"])),
     ]
+    if info.get("train_slice_bpc") is not None and info.get("valid_bpc") is not None:
+        rows.append(("generalisation gap", f"{info['valid_bpc'] - info['train_slice_bpc']:+.4f} BPC (valid "
+                                           f"{info['valid_bpc']:.4f} - a train slice {info['train_slice_bpc']:.4f}, "
+                                           "both in eval mode)"))
     if "run" in info:
         run = info["run"]
         rows.append(("run", f"{run['dir']}: {len(run['checkpoints'])} step checkpoints, "

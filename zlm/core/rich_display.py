@@ -78,7 +78,7 @@ class RichReporter(Reporter):
     def _table(self) -> Table:
         r, e = self.last, self.last_eval
         t = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
-        for col in ("step", "epoch", "train BPC", "valid BPC", "valid ppl/token", "best BPC",
+        for col in ("step", "epoch", "train BPC", "valid BPC", "gap", "valid ppl/token", "best BPC",
                     "chars/s", "lr", "elapsed", "ETA"):
             t.add_column(col, justify="right")
         if r or e:
@@ -86,6 +86,7 @@ class RichReporter(Reporter):
                 str(r.get("step", e.get("step", ""))), f"{r.get('epoch', 0):.2f}",
                 f"{r['train_bpc']:.4f}" if "train_bpc" in r else "-",
                 f"{e['valid_bpc']:.4f}" if e else "-",
+                f"{e['gap']:+.4f}" if e.get("gap") is not None else "-",
                 f"{e['valid_ppl']:.3f}" if e else "-",
                 f"{e['best_bpc']:.4f}" if e else "-",
                 f"{r['chars_per_s']:,.0f}" if "chars_per_s" in r else "-",

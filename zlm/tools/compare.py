@@ -78,6 +78,7 @@ def result_row(run: RunCurves) -> dict:
     return {
         "best_valid_bpc": best if best is not None else valid,
         "test_bpc": read_test_bpc(run.path),
+        "gap": run.gap,
         "parameters": run.parameters,
         "chars_per_s": statistics.median(run.chars_per_s) if run.chars_per_s else None,
         "train_time_s": run.elapsed_s,

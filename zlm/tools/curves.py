@@ -60,6 +60,7 @@ class RunCurves:
     steps: int = 0  # last step logged
     finished: bool = False  # a "finish" event closes the log (not interrupted)
     final_train_bpc: float | None = None  # last logged window, else the last steps' mean
+    gap: float | None = None  # the last validation's valid - train-slice BPC (both in eval mode)
     events: dict = field(default_factory=dict, repr=False)  # event name -> count
 
     @property
@@ -120,7 +121,7 @@ def read_run(run_dir) -> RunCurves:
     speeds: dict[int, float] = {}
     losses: dict[int, float] = {}  # step -> mean nats per token (every step)
     counts: dict[str, int] = {}
-    parameters, finish, last_step = None, None, 0
+    parameters, finish, last_step, gap = None, None, 0, None
     for e in events:
         kind = e.get("event")
         counts[kind] = counts.get(kind, 0) + 1
@@ -137,6 +138,7 @@ def read_run(run_dir) -> RunCurves:
             losses[step] = float(e["loss"])
         elif kind == "eval" and step is not None:
             valid[step] = float(e["valid_bpc"])
+            gap = e.get("gap", gap)
         elif kind == "finish":
             finish = e
             if step is not None and e.get("elapsed_s") is not None:
@@ -164,7 +166,7 @@ def read_run(run_dir) -> RunCurves:
         parameters=parameters, chars_per_s=tuple(speeds[s] for s in sorted(speeds)),
         elapsed_s=elapsed, steps=last_step,
         finished=bool(finish) and not finish.get("interrupted"), final_train_bpc=final,
-        events=counts,
+        gap=gap, events=counts,
     )
 
 

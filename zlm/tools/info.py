@@ -75,6 +75,7 @@ def describe(path) -> dict:
         "epoch": trainer.get("epoch"),
         "valid_bpc": trainer.get("valid_bpc"),
         "best_valid_bpc": _finite(trainer.get("best_bpc")),
+        "train_slice_bpc": trainer.get("train_slice_bpc"),
         "model": spec.model.to_dict(),
         "parameters": sum(math.prod(s) for s in shapes.values()),
         "dtypes": dtypes,

@@ -48,17 +48,20 @@ class TrainState:
     elapsed: float = 0.0  # seconds of training, summed over resumes
     best_bpc: float = math.inf  # best valid BPC so far (what best/ holds)
     valid_bpc: float | None = None  # the last valid BPC
+    train_slice_bpc: float | None = None  # the last eval-mode BPC of a fixed train slice (the gap's other side)
     nonfinite: int = 0  # non-finite losses in a row
     last_good: str | None = None  # newest checkpoint written or resumed from (not saved)
 
     def state_dict(self) -> dict:
         return {"step": self.step, "epoch": self.epoch, "elapsed": self.elapsed,
-                "best_bpc": self.best_bpc, "nonfinite": self.nonfinite, "valid_bpc": self.valid_bpc}
+                "best_bpc": self.best_bpc, "nonfinite": self.nonfinite, "valid_bpc": self.valid_bpc,
+                "train_slice_bpc": self.train_slice_bpc}
 
     def load_state_dict(self, d: dict) -> None:
         self.step, self.elapsed = d["step"], d["elapsed"]
         self.best_bpc, self.nonfinite = d["best_bpc"], d["nonfinite"]
         self.epoch, self.valid_bpc = d.get("epoch", 0.0), d.get("valid_bpc")
+        self.train_slice_bpc = d.get("train_slice_bpc")
 
 
 class RNGState:

@@ -44,6 +44,7 @@ from zlm.training.state import Checkpointer, RNGState, TrainState
 from zlm.training.step import forward_backward
 
 RESIDENT_SHARE = 0.25  # of free device memory the training split may take to live there
+GAP_TOKENS = 50_000  # train tokens scored at each validation for the generalisation gap (at most)
 
 
 def build_optimizer(cfg: TrainConfig) -> tuple[type, dict]:
@@ -112,6 +113,9 @@ class Trainer:
         self.window = WindowStep(self._forward_backward, params, graphs=self.use_graphs)
         info = data.split_info("train")
         self.chars_per_token = info.characters / max(info.tokens, 1)
+        self.bytes_per_token = info.bytes / max(info.tokens, 1)
+        valid_tokens = data.split_info("valid").tokens
+        self.gap_tokens = max(2, min(GAP_TOKENS, valid_tokens // 2, info.tokens))  # the fixed train slice
 
     @property
     def parts(self) -> dict:
@@ -241,15 +245,26 @@ class Trainer:
             s.best_bpc = bpc
         self.schedule.observe(bpc)
         s.valid_bpc = bpc
+        s.train_slice_bpc = self._train_slice_bpc()
         if self.par.is_main:
             rec = {"step": s.step, "epoch": s.epoch, "valid_bpc": bpc, "valid_ppl": score.perplexity,
                    "valid_bits_per_byte": score.bits_per_byte, "best_bpc": s.best_bpc,
-                   "tokens": score.tokens, "characters": score.characters}
+                   "tokens": score.tokens, "characters": score.characters,
+                   "train_slice_bpc": s.train_slice_bpc, "gap": bpc - s.train_slice_bpc}
             self.log.write("eval", **rec)
             self.rep.eval(rec)
             if improved:
                 self.run.write_best(self.model, self.config, self.data, s.step, bpc)
         return bpc
+
+    def _train_slice_bpc(self) -> float:
+        """BPC in eval mode on the first `gap_tokens` tokens of the train split, measured as
+        validation is: valid BPC minus this is the generalisation gap shown while training."""
+        tokens = self.data.tokens("train")[: self.gap_tokens]
+        n = len(tokens)
+        return evaluate_tokens(self.model, tokens, self.data.tokenizer, round(n * self.chars_per_token),
+                               round(n * self.bytes_per_token), self.runtime, EvalProtocol(self.cfg.eval_streams),
+                               self.par.sum, self.par.rank, self.par.world).bpc
 
     def save(self, reason: str) -> Path | None:
         """A training checkpoint of every part (rank 0 writes; every rank takes part)."""

@@ -1,0 +1,54 @@
+"""The generalisation gap: at each validation the trainer also scores a fixed slice of the
+train split in eval mode; valid minus that is shown live, logged, and read by info/compare."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from conftest import shakespeare_text
+from zlm.cli import app
+from zlm.core.config import Options
+from zlm.core.eval_protocol import EvalProtocol, evaluate_tokens
+from zlm.core.metrics import read_metrics
+from zlm.data.dataset import Dataset
+from zlm.inference.load import load_model
+from zlm.training.plan import plan
+from zlm.training.runner import run
+from zlm.training.trainer import GAP_TOKENS
+
+
+def test_the_gap_is_valid_minus_a_fixed_train_slice_in_eval_mode(tmp_path):
+    src = tmp_path / "t.txt"
+    src.write_text(shakespeare_text(40_000), encoding="utf-8")
+    options = Options(hidden=32, embed=8, batch_size=4, bptt=16, max_steps=12, eval_every=6, eval_streams=2,
+                      device="cpu", precision="fp32", log_every=3)
+    planned = plan(src, options, out=tmp_path / "run", preset="cpu-small")
+    run(planned)
+    evals = [e for e in read_metrics(tmp_path / "run" / "metrics.jsonl") if e["event"] == "eval"]
+    assert [e["step"] for e in evals] == [6, 12]
+    for e in evals:
+        assert e["gap"] == e["valid_bpc"] - e["train_slice_bpc"]
+    # The last validation's train slice, scored again from the checkpoint of that step.
+    data = Dataset.open(planned.spec.data.path)
+    n = min(GAP_TOKENS, data.split_info("valid").tokens // 2, data.split_info("train").tokens)
+    lm = load_model(tmp_path / "run" / "checkpoints" / "step-00000012", device="cpu")
+    info = data.split_info("train")
+    again = evaluate_tokens(lm.model, data.tokens("train")[:n], data.tokenizer, round(n * info.characters / info.tokens),
+                            round(n * info.bytes / info.tokens), lm.runtime, EvalProtocol(2)).bpc
+    assert abs(again - evals[-1]["train_slice_bpc"]) < 1e-5
+    # Shown by zlm info (the checkpoint's trainer state) and zlm compare.
+    r = CliRunner().invoke(app, ["info", str(tmp_path / "run" / "checkpoints" / "step-00000012")])
+    assert r.exit_code == 0 and "generalisation gap" in r.output and f"{evals[-1]['gap']:+.4f}" in r.output
+    r = CliRunner().invoke(app, ["compare", str(tmp_path / "run"), "--json"])
+    assert r.exit_code == 0
+    assert json.loads(r.output)["runs"][0]["gap"] == evals[-1]["gap"]
+
+
+def test_the_plain_display_prints_the_gap(capsys):
+    from zlm.core.reporter import PlainReporter
+
+    PlainReporter().eval({"step": 5, "valid_bpc": 2.5, "valid_ppl": 5.6, "best_bpc": 2.5,
+                          "train_slice_bpc": 2.25, "gap": 0.25})
+    assert "gap +0.2500 (valid - train slice 2.2500)" in capsys.readouterr().out
