@@ -38,8 +38,9 @@ def command(
     segment: Annotated[int, typer.Option(
         help="--adapt: steps per segment (one update each).")] = DEFAULT_SEGMENT,
     streams: Annotated[int | None, typer.Option(
-        help="Parallel streams S [default: one per 2048 symbols, at most 64]: more is "
-             "faster, each costs a cold start.", show_default=False)] = None,
+        help="Parallel streams S [default: one per 2048 bytes and per 512 bytes of the "
+             "file's zlib size, at most 64]: more is faster, each costs a cold start.",
+        show_default=False)] = None,
     force: Annotated[bool, typer.Option("--force", "-f", help="Overwrite OUT.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
@@ -84,8 +85,10 @@ def rows(path: Path, r: CompressResult, verb: str) -> list[tuple[str, str]]:
     if r.model_bits is not None:
         out.append(("model code length", f"{d['model_bits_per_char']:.4f} bits/char "
                                           f"({r.model_bits / 8:,.0f} bytes)"))
-    out += [("layout", f"{r.streams} parallel streams, {r.symbols:,} symbols"
-                       + (f"; adapting ({r.adapt.describe()})" if r.adapt else "")),
+    stored = ("none stored" if not r.stored_blocks else "all stored" if r.stored_blocks == r.blocks
+              else f"{r.stored_blocks} stored")
+    out += [("layout", f"{r.streams} parallel streams, {r.symbols:,} symbols, {r.blocks} blocks "
+                       f"({stored})" + (f"; adapting ({r.adapt.describe()})" if r.adapt else "")),
             ("speed", f"{d['kb_per_s']:,.1f} KB/s ({r.seconds:.2f} s)")]
     return out
 

@@ -86,17 +86,36 @@ def test_any_bytes_round_trip(runs, tmp_path):
         assert (tmp_path / "back.bin").read_bytes() == data
 
 
+def test_random_bytes_do_not_grow_beyond_the_header(runs, tmp_path):
+    """Bytes the model cannot shrink are stored: the file is the input plus a small header."""
+    data = random.Random(9).randbytes(5000)
+    src = tmp_path / "noise.bin"
+    src.write_bytes(data)
+    res = invoke("compress", runs[0], src, "--json")
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert out["stored_blocks"] == out["blocks"] >= 1
+    assert len(data) < out["compressed_bytes"] <= len(data) + 40
+    res = invoke("compress", runs[0], src, "-o", tmp_path / "n2.zlmz")
+    assert res.exit_code == 0 and "all stored" in res.stdout, res.output
+    res = invoke("decompress", runs[0], tmp_path / "noise.bin.zlmz", "-o", tmp_path / "back.bin")
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "back.bin").read_bytes() == data
+
+
 def test_refusals_are_one_line_and_write_nothing(runs, tmp_path):
     src = tmp_path / "in.txt"
     src.write_bytes(shakespeare_text(1500).encode())
     z = tmp_path / "in.zlmz"
     assert invoke("compress", runs[0], src, "-o", z).exit_code == 0
     blob = z.read_bytes()
-    bad = {"trunc.zlmz": blob[: len(blob) - 40], "dmg.zlmz": blob[:-30] + bytes((blob[-30] ^ 4,)) + blob[-29:]}
+    bad = {"trunc.zlmz": blob[: len(blob) - 40], "dmg.zlmz": blob[:-30] + bytes((blob[-30] ^ 4,)) + blob[-29:],
+           "v1.zlmz": b"ZLMZ\x01\x00" + blob[6:]}  # the older format's version byte
     for name, data in bad.items():
         (tmp_path / name).write_bytes(data)
     for run, name, expect in ((runs[0], "trunc.zlmz", "truncated"), (runs[0], "dmg.zlmz", "damaged"),
-                              (runs[1], "in.zlmz", "different model")):
+                              (runs[1], "in.zlmz", "different model"),
+                              (runs[0], "v1.zlmz", "format version 1")):
         target = tmp_path / (name + ".out")
         res = invoke("decompress", run, tmp_path / name, "-o", target)
         assert res.exit_code == 1, res.output

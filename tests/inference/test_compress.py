@@ -1,8 +1,11 @@
-"""zlm compress: exact round trips for any bytes, near-ideal size, refused bad inputs."""
+"""zlm compress: exact round trips for any bytes, near-ideal size, never larger than the
+input and its header, long repeats nearly free, refused bad inputs."""
 
 from __future__ import annotations
 
+import random
 import re
+from unittest import mock
 
 import pytest
 import torch
@@ -12,10 +15,11 @@ from hypothesis import strategies as st
 from conftest import shakespeare_text
 from zlm.core.precision import resolve_runtime
 from zlm.data.tokenizers import CharTokenizer, train_tokenizer
+from zlm.inference import modelcoder
 from zlm.inference.compress import CompressedFileError, Header, compress_bytes, decompress_bytes
 from zlm.inference.dynamic import DynamicConfig
 from zlm.inference.load import LoadedModel
-from zlm.inference.modelcoder import fixed_threads
+from zlm.inference.modelcoder import Layout, fixed_threads
 from zlm.inference.symbols import Alphabet
 from zlm.model.cells import choose_cell
 from zlm.model.lm import ModelConfig, ZoneoutLM
@@ -47,11 +51,26 @@ def lms(tmp_path_factory):
                 "bpe": make_lm(train_tokenizer("bpe", text, vocab_size=400), root / "bpe")}
 
 
+LINE = "Crème brûlée — 東京の天気は雨 🌧 naïve\n".encode()  # 54 bytes, most escaped in a char model
+
+
+def stored_size(data: bytes, blocks: int) -> int:
+    """The container of `data` with every block stored and default settings: the header
+    (22 fixed bytes, two varints, one bit per block, the payload length, the CRC) + data."""
+    varint = lambda n: max(1, -(-n.bit_length() // 7))  # noqa: E731
+    return 22 + varint(len(data)) + 1 + (blocks + 7) // 8 + 1 + 4 + len(data)
+
+
 def roundtrip(lm, data: bytes, adapt=None, streams=None) -> bytes:
     blob, result = compress_bytes(lm, data, adapt, streams)
     back, _ = decompress_bytes(lm, blob)
     assert back == data
+    assert len(blob) <= stored_size(data, result.blocks) + (17 if adapt else 0)  # never expands
     return blob
+
+
+def repeats(unit: st.SearchStrategy) -> st.SearchStrategy:
+    return st.tuples(unit, st.integers(2, 40)).map(lambda t: t[0] * t[1])
 
 
 @SLOW
@@ -62,10 +81,43 @@ def test_roundtrip_any_unicode(lms, text, kind, adapt, streams):
 
 
 @SLOW
-@given(data=st.binary(max_size=80), kind=st.sampled_from(["char", "byte", "bpe"]),
-       adapt=st.booleans())
+@given(data=st.binary(max_size=80) | repeats(st.binary(min_size=1, max_size=8)),
+       kind=st.sampled_from(["char", "byte", "bpe"]), adapt=st.booleans())
 def test_roundtrip_any_bytes(lms, data, kind, adapt):
     roundtrip(lms[kind], data, ADAPT if adapt else None, 2)
+
+
+TEXT_OR_BYTES = (st.binary(max_size=160) | st.text(max_size=80).map(lambda t: t.encode("utf-8", "surrogatepass"))
+                 | repeats(st.text(min_size=1, max_size=6).map(lambda t: t.encode("utf-8", "surrogatepass")))
+                 | st.tuples(st.integers(0, 120), st.binary(max_size=60), st.integers(0, 120)).map(
+                     lambda t: shakespeare_text(t[0]).encode() + t[1] + shakespeare_text(t[2]).encode()))
+
+
+@SLOW
+@given(data=TEXT_OR_BYTES, kind=st.sampled_from(["char", "byte", "bpe"]), adapt=st.booleans(),
+       streams=st.sampled_from([None, 1, 3]), block=st.integers(1, 24))
+def test_roundtrip_across_blocks(lms, data, kind, adapt, streams, block):
+    """Blocks of a few bytes (patched in for the test): many per stream, characters cut at
+    block edges, stored and model-coded blocks side by side in one stream."""
+    with mock.patch.object(modelcoder, "BLOCK_BYTES", block):
+        blob = roundtrip(lms[kind], data, ADAPT if adapt else None, streams)
+        header, _ = Header.unpack(blob, "f")
+        assert len(header.coded) == len(Layout.choose(data, streams).blocks())
+        assert len(header.coded) >= -(-len(data) // block)
+
+
+def test_layout_covers_the_file_in_blocks_of_at_most_64_kib():
+    for length, streams in ((0, 0), (1, 1), (65_536, 1), (65_537, 1), (1_000_003, 7), (300_000, 64)):
+        blocks = Layout(length, streams).blocks()
+        assert [b[1] for b in blocks[1:]] == [b[2] for b in blocks[:-1]]  # contiguous
+        assert sum(z - a for _, a, z in blocks) == length
+        assert all(0 < z - a <= 65_536 for _, a, z in blocks)
+        assert [b[0] for b in blocks] == sorted(b[0] for b in blocks)
+        assert len({b[0] for b in blocks}) == streams
+    assert len(Layout(65_537, 1).blocks()) == 2
+    assert Layout.choose(b"", None).streams == 0
+    assert Layout.choose(LINE * 2000, None).streams == 1  # repetitive: one long history
+    assert Layout.choose(random.Random(0).randbytes(300_000), None).streams == 64
 
 
 @pytest.mark.parametrize("data", [b"", b"a", b"\n", b"\xff", "\u20ac".encode()])
@@ -83,6 +135,10 @@ def test_alphabet_roundtrip(lms, data, kind):
     sym, esc = alpha.encode(data)
     assert ((0 <= sym) & (sym < alpha.size)).all()
     assert alpha.decode(sym, esc) == data
+    ext = alpha.extend(sym, esc)
+    assert ((0 <= ext) & (ext < alpha.vocab + 256 * alpha.escape)).all()
+    back_sym, back_esc = alpha.split(ext)
+    assert (back_sym == sym).all() and alpha.decode(back_sym, back_esc) == data
 
 
 @pytest.mark.parametrize("sharpen", [1.0, 30.0])
@@ -92,8 +148,12 @@ def test_size_within_half_a_percent_of_the_model_code_length(tmp_path, sharpen):
     data = text[24_000:].encode()  # 6000 characters
     for adapt in (None, ADAPT):
         blob, r = compress_bytes(lm, data, adapt, streams=4)
-        payload = r.compressed_bytes - r.header_bytes
-        assert payload <= r.model_bits / 8 * 1.005 + 5, (payload, r.model_bits / 8)
+        header, pos = Header.unpack(blob, "f")
+        blocks = Layout(header.length, header.streams).blocks()
+        stored = sum(z - a for (_, a, z), c in zip(blocks, header.coded, strict=True) if not c)
+        payload = len(blob) - pos - stored  # the range coder's bytes
+        assert r.stored_blocks < r.blocks
+        assert payload <= r.coded_bits / 8 * 1.005 + 4, (payload, r.coded_bits / 8)
         assert decompress_bytes(lm, blob)[0] == data
 
 
@@ -104,6 +164,80 @@ def test_adapt_is_deterministic_and_differs_from_static(lms):
     assert a != compress_bytes(lms["char"], data)[0]
 
 
+def test_random_bytes_are_stored_not_expanded(lms):
+    data = random.Random(1).randbytes(20_000)
+    for kind in ("char", "byte"):
+        blob, r = compress_bytes(lms[kind], data)
+        assert r.stored_blocks == r.blocks > 1
+        assert len(blob) == stored_size(data, r.blocks) <= len(data) + 40
+        assert decompress_bytes(lms[kind], blob)[0] == data
+
+
+def test_only_the_blocks_the_model_cannot_shrink_are_stored(lms):
+    """One stream, three blocks: text, random bytes, text. The middle one is stored; the
+    model still reads it, so the third block decodes with the same state and history."""
+    text = shakespeare_text(1200).encode()
+    data = text[:600] + random.Random(2).randbytes(600) + text[600:]
+    with mock.patch.object(modelcoder, "BLOCK_BYTES", 600):
+        for adapt in (None, ADAPT):
+            blob, r = compress_bytes(lms["char"], data, adapt, streams=1)
+            header, _ = Header.unpack(blob, "f")
+            assert header.coded == (True, False, True) and r.stored_blocks == 1
+            assert len(blob) < stored_size(data, 3) - 200
+            assert decompress_bytes(lms["char"], blob)[0] == data
+
+
+@pytest.mark.parametrize("kind", ["char", "byte"])
+def test_long_repeats_cost_nearly_nothing(lms, kind):
+    """The match model: 99 more copies of a 54-byte line (accents, CJK, emoji: escapes for
+    a char model) add a few dozen bytes, not 99 times the line's cost."""
+    lm = lms[kind]
+    once, _ = compress_bytes(lm, LINE)
+    many, r = compress_bytes(lm, LINE * 100)
+    assert r.streams == 1 and r.stored_blocks == 0
+    assert len(many) - len(once) < 40, (len(once), len(many))
+    assert decompress_bytes(lm, many)[0] == LINE * 100
+
+
+def test_header_is_small(lms):
+    """An empty file is 29 bytes (xz: 32); a short text's header is a few dozen bytes."""
+    for kind in ("char", "byte", "bpe"):
+        blob, r = compress_bytes(lms[kind], b"")
+        assert len(blob) == r.header_bytes == 29
+        assert decompress_bytes(lms[kind], blob)[0] == b""
+    blob, r = compress_bytes(lms["char"], shakespeare_text(3000).encode())
+    assert r.header_bytes <= 36
+    blob, r = compress_bytes(lms["char"], b"x", ADAPT)
+    assert r.header_bytes <= 29 + 2 + 17  # --adapt's settings, when not the defaults
+
+
+def test_compressing_twice_gives_the_same_bytes(lms):
+    data = shakespeare_text(1500).encode() + LINE * 3
+    assert compress_bytes(lms["char"], data)[0] == compress_bytes(lms["char"], data)[0]
+
+
+def _reheader(blob: bytes, **change) -> bytes:
+    """blob with header fields changed and its CRC recomputed: a well-formed file that
+    differs only in those fields."""
+    header, pos = Header.unpack(blob, "f")
+    fields = {**header.__dict__, **change}
+    return Header(**fields).pack() + blob[pos:]
+
+
+def test_refuses_an_older_format_and_another_kernel_path(lms):
+    lm = lms["char"]
+    blob, _ = compress_bytes(lm, shakespeare_text(500).encode())
+    old = b"ZLMZ\x01\x00" + bytes(130)  # what version 1 wrote first
+    with pytest.raises(CompressedFileError, match=r"format version 1; this zlm reads version 2"):
+        decompress_bytes(lm, old, "f")
+    with pytest.raises(CompressedFileError, match="another kernel path"):
+        decompress_bytes(lm, _reheader(blob, kernel=b"\0\0\0\0"), "f")
+    with pytest.raises(CompressedFileError, match="different model"):
+        decompress_bytes(lm, _reheader(blob, model=bytes(8)), "f")
+    with pytest.raises(CompressedFileError, match="fails its checksum"):
+        decompress_bytes(lm, _reheader(blob, checksum=Header.unpack(blob, "f")[0].checksum ^ 1), "f")
+
+
 def test_refuses_damage_truncation_and_another_model(lms, tmp_path):
     lm = lms["char"]
     data = shakespeare_text(2000).encode()
@@ -112,10 +246,11 @@ def test_refuses_damage_truncation_and_another_model(lms, tmp_path):
     cases = {
         "truncated": blob[: pos + (len(blob) - pos) // 2],
         "truncated (its header": blob[:20],
-        "header fails its CRC": blob[:30] + bytes((blob[30] ^ 1,)) + blob[31:],
+        "header fails its CRC": blob[:10] + bytes((blob[10] ^ 1,)) + blob[11:],
         "fails its checksum": blob[: pos + 40] + bytes((blob[pos + 40] ^ 0x10,)) + blob[pos + 41 :],
         "not a zlm compressed file": b"PK\x03\x04" + blob[4:],
         "format version 9": blob[:4] + b"\x09" + blob[5:],
+        "bytes after the coded data": blob + b"\0",
     }
     for expect, bad in cases.items():
         with pytest.raises(CompressedFileError, match=re.escape(expect)):
@@ -123,3 +258,24 @@ def test_refuses_damage_truncation_and_another_model(lms, tmp_path):
     other = make_lm(lm.tokenizer, tmp_path / "other", seed=5)
     with pytest.raises(CompressedFileError, match="different model"):
         decompress_bytes(other, blob, "f")
+
+
+@pytest.fixture(scope="module")
+def blobs(lms):
+    data = shakespeare_text(300).encode() + LINE + random.Random(4).randbytes(40)
+    with mock.patch.object(modelcoder, "BLOCK_BYTES", 64):
+        return data, {kind: compress_bytes(lms[kind], data, None, 2)[0] for kind in ("char", "bpe")}
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(kind=st.sampled_from(["char", "bpe"]), at=st.floats(0, 1), flip=st.integers(1, 255),
+       cut=st.booleans())
+def test_any_damage_is_a_one_line_error(lms, blobs, kind, at, flip, cut):
+    """A flipped byte anywhere, or a file cut anywhere: a CompressedFileError, nothing else."""
+    data, packed = blobs
+    blob = packed[kind]
+    i = min(len(blob) - 1, int(at * len(blob)))
+    bad = blob[:i] if cut else blob[:i] + bytes((blob[i] ^ flip,)) + blob[i + 1 :]
+    with mock.patch.object(modelcoder, "BLOCK_BYTES", 64), pytest.raises(CompressedFileError) as err:
+        decompress_bytes(lms[kind], bad, "f")
+    assert "\n" not in str(err.value)

@@ -2,32 +2,42 @@
 
 Owns the file format, the model's identity (`model_id`), and `compress_bytes` /
 `decompress_bytes` (and their file-level wrappers behind the CLI). The coding itself is
-`zlm.inference.modelcoder`'s loop over `zlm.inference.symbols.Alphabet` symbols.
+`zlm.inference.modelcoder`'s loop over `zlm.inference.symbols.Alphabet` symbols: the LSTM's
+prediction mixed with an escape model and a match model, per stream and block.
 
-Format (version 1, little-endian):
+Format (version 2; integers little-endian, varint = LEB128):
 
-    "ZLMZ"  u8 version  u8 flags (bit 0: --adapt)
-    32 B    model id: SHA-256 of the model config, every tensor (name, dtype, shape,
-            bytes) and the tokenizer file
-    u64     original length in bytes      u64 symbols N      u32 streams S
-    u64     length of the coded data that follows the header
-    8 B     SHA-256 of the original bytes (first 8 bytes)
-    u8+str  precision ("fp32")            u8+str  kernel path (see `kernel_path`)
-    --adapt: f64 lr, f64 decay, u32 segment
+    "ZLMZ"  u8 version (2)  u8 flags (bit 0: --adapt, bit 1: its settings follow)
+    8 B     model id: SHA-256 of the model config, every tensor (name, dtype, shape, bytes)
+            and the tokenizer file (first 8 bytes)
+    4 B     kernel id: SHA-256 of the precision and kernel path (first 4 bytes)
+    u32     CRC-32 of the original bytes
+    varint  original length L in bytes        varint  streams S (0 when L = 0)
+    --adapt with settings other than the defaults: f64 lr, f64 decay, varint segment
+    bits    one per block, in block order (see `Layout`), packed 8 to a byte, bit 0 first:
+            1 = model-coded, 0 = stored
+    varint  each model-coded block's bytes minus its symbols, zigzag-coded (0 for ASCII
+            text and a char model)
+    varint  length of the range coder's bytes
     u32     CRC-32 of everything above
-    ...     the range coder's bytes
+    ...     the stored blocks' bytes, in block order, then the range coder's bytes
 
-Decoding needs the same model and the same kernel path (zlm's step kernels, torch build,
-CPU instruction set, thread count): the header names both and the decoder refuses
-another one with a one-line error, as it does a damaged or truncated file (header CRC,
-text checksum, bytes read past the end). Nothing is written unless the whole file
-decodes and checks.
+The header is 29 bytes for an empty file and about 30-40 for most others (one bit per
+block of at most 64 KiB of a stream, two bytes or so per model-coded block). The encoder
+model-codes a block only when that is smaller than storing it, and stores everything
+when the model saves nothing overall, so no file grows by more than its header.
+
+Decoding needs the same model and the same kernel path (zlm's step kernels, torch and
+numpy builds, CPU instruction set, thread count): the header names both by hash and the decoder refuses another one with a one-line error, as it does an
+older format, a damaged or truncated file (header CRC, lengths, text checksum). Nothing is
+written unless the whole file decodes and checks.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 import tempfile
@@ -44,21 +54,24 @@ from zlm.errors import UsageError, ZlmError
 from zlm.inference.dynamic import DynamicConfig
 from zlm.inference.load import LoadedModel, load_model
 from zlm.inference.modelcoder import (
+    BLOCK_BYTES,
     PROB_BITS,
     THREADS,
     DecodeSide,
     EncodeSide,
     Layout,
     fixed_threads,
+    grid,
     run_coder,
 )
 from zlm.inference.symbols import Alphabet
 from zlm.model.cells.cpu_ext import load_extension
 
 MAGIC = b"ZLMZ"
-VERSION = 1
-_FIXED = struct.Struct("<4sBB32sQQIQ8s")  # magic .. text checksum
-_ADAPT = struct.Struct("<ddI")
+VERSION = 2
+_FIXED = struct.Struct("<4sBB8s4sI")  # magic .. text checksum
+_ADAPT = struct.Struct("<dd")
+_FLAGS = 0b11  # the flag bits this version knows
 SUFFIX = ".zlmz"
 
 
@@ -81,66 +94,136 @@ def model_id(lm: LoadedModel) -> bytes:
 
 def kernel_path() -> str:
     """What the decoder's arithmetic must match to reproduce every distribution: zlm's
-    step kernels and frequency tables, torch's and numpy's builds, the CPU's instruction
-    set as torch dispatches it, and the thread count."""
+    step kernels and frequency tables, torch's and numpy's builds (numpy computes every
+    softmax, log and exp of the mixing), the CPU's instruction set as torch dispatches
+    it, and the thread count."""
     step = "cpp" if load_extension() is not None else "torch"  # the Stepper's two paths
     return (f"stepper-{step}/t{THREADS}/p{PROB_BITS} torch {torch.__version__} numpy "
             f"{np.__version__} {torch.backends.cpu.get_cpu_capability()}")
 
 
+def kernel_id(precision: str) -> bytes:
+    return hashlib.sha256(f"{precision} {kernel_path()}".encode()).digest()[:4]
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b, n = n & 0x7F, n >> 7
+        out.append(b | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _zigzag(n: int) -> int:
+    return 2 * n if n >= 0 else -2 * n - 1
+
+
+def _unzigzag(n: int) -> int:
+    return n >> 1 if not n & 1 else -((n + 1) >> 1)
+
+
+class _Truncated(Exception):
+    pass
+
+
+class _Reader:
+    def __init__(self, data: bytes, pos: int):
+        self.data, self.pos = data, pos
+
+    def take(self, n: int) -> bytes:
+        if self.pos + n > len(self.data):
+            raise _Truncated
+        self.pos += n
+        return self.data[self.pos - n : self.pos]
+
+    def varint(self) -> int:
+        n = shift = 0
+        while True:
+            b = self.take(1)[0]
+            n |= (b & 0x7F) << shift
+            shift += 7
+            if not b & 0x80:
+                return n
+            if shift > 63:
+                raise ValueError("varint too long")
+
+
 @dataclass(frozen=True)
 class Header:
-    model: bytes
+    model: bytes  # 8 bytes of `model_id`
+    kernel: bytes  # 4 bytes of `kernel_id`
+    checksum: int  # CRC-32 of the original bytes
     length: int  # original bytes
-    symbols: int
     streams: int
-    payload: int  # bytes of coded data after the header
-    checksum: bytes  # first 8 bytes of SHA-256 of the original bytes
-    precision: str
-    kernel: str
     adapt: DynamicConfig | None
+    coded: tuple[bool, ...]  # per block: model-coded (else stored)
+    symbols: tuple[int, ...]  # per model-coded block
+    payload: int  # bytes of range coder output
 
     def pack(self) -> bytes:
-        flags = 1 if self.adapt else 0
-        out = _FIXED.pack(MAGIC, VERSION, flags, self.model, self.length, self.symbols,
-                          self.streams, self.payload, self.checksum)
-        for s in (self.precision, self.kernel):
-            b = s.encode("ascii")
-            out += bytes((len(b),)) + b
-        if self.adapt:
-            out += _ADAPT.pack(self.adapt.lr, self.adapt.decay, self.adapt.segment)
-        return out + struct.pack("<I", zlib.crc32(out))
+        explicit = self.adapt is not None and self.adapt != DynamicConfig()
+        flags = (1 if self.adapt else 0) | (2 if explicit else 0)
+        out = bytearray(_FIXED.pack(MAGIC, VERSION, flags, self.model, self.kernel, self.checksum))
+        out += _varint(self.length) + _varint(self.streams)
+        if explicit:
+            out += _ADAPT.pack(self.adapt.lr, self.adapt.decay) + _varint(self.adapt.segment)
+        bits = bytearray((len(self.coded) + 7) // 8)
+        for j, c in enumerate(self.coded):
+            bits[j >> 3] |= c << (j & 7)
+        out += bits
+        for n, size in zip(self.symbols, self._coded_sizes(), strict=True):
+            out += _varint(_zigzag(size - n))
+        out += _varint(self.payload)
+        return bytes(out) + struct.pack("<I", zlib.crc32(out))
+
+    def _coded_sizes(self) -> list[int]:
+        """The byte length of each model-coded block."""
+        blocks = Layout(self.length, self.streams).blocks()
+        return [z - a for (_, a, z), c in zip(blocks, self.coded, strict=True) if c]
 
     @staticmethod
     def unpack(data: bytes, name: str) -> tuple[Header, int]:
-        """(header, offset of the payload), or a one-line CompressedFileError."""
+        """(header, offset of the stored blocks), or a one-line CompressedFileError."""
         if data[:4] != MAGIC:
             raise CompressedFileError(f"{name} is not a zlm compressed file (no ZLMZ signature)")
         if len(data) < 5 or data[4] != VERSION:
             v = data[4] if len(data) > 4 else "?"
             raise CompressedFileError(f"{name} has format version {v}; this zlm reads version "
                                       f"{VERSION}: decompress it with the zlm that wrote it")
+        damaged = CompressedFileError(f"{name} is damaged (its header fails its CRC)")
+        r = _Reader(data, _FIXED.size)
         try:
-            magic, _, flags, model, length, n, streams, payload, checksum = _FIXED.unpack_from(data)
-            pos, strs = _FIXED.size, []
-            for _ in range(2):
-                k = data[pos]
-                strs.append(data[pos + 1 : pos + 1 + k].decode("ascii"))
-                pos += 1 + k
+            _, _, flags, model, kernel, checksum = _FIXED.unpack_from(data)
+            length, streams = r.varint(), r.varint()
+            if flags & ~_FLAGS or not (streams == 0 if length == 0 else 1 <= streams <= length):
+                raise damaged
             adapt = None
-            if flags & 1:
-                lr, decay, segment = _ADAPT.unpack_from(data, pos)
-                pos += _ADAPT.size
-            (crc,) = struct.unpack_from("<I", data, pos)
-        except (struct.error, IndexError, UnicodeDecodeError):
+            if flags & 2:
+                lr, decay = _ADAPT.unpack(r.take(_ADAPT.size))
+                adapt = (lr, decay, r.varint())
+            elif flags & 1:
+                adapt = ()
+            if max(streams, length // BLOCK_BYTES) > 8 * len(data):  # more blocks than bits
+                raise _Truncated
+            blocks = Layout(length, streams).blocks()
+            bits = r.take((len(blocks) + 7) // 8)
+            coded = tuple(bool(bits[j >> 3] >> (j & 7) & 1) for j in range(len(blocks)))
+            sizes = [z - a for (_, a, z), c in zip(blocks, coded, strict=True) if c]
+            symbols = tuple(size - _unzigzag(r.varint()) for size in sizes)
+            payload = r.varint()
+            (crc,) = struct.unpack("<I", r.take(4))
+        except (_Truncated, struct.error):
             raise CompressedFileError(f"{name} is truncated (its header is incomplete)") from None
-        if zlib.crc32(data[:pos]) != crc:
-            raise CompressedFileError(f"{name} is damaged (its header fails its CRC)")
+        except ValueError:
+            raise damaged from None
+        if zlib.crc32(data[: r.pos - 4]) != crc:
+            raise damaged
         try:
-            adapt = DynamicConfig(lr, decay, segment) if flags & 1 else None
+            adapt = None if adapt is None else DynamicConfig(*adapt)
         except ZlmError:
             raise CompressedFileError(f"{name} is damaged (impossible --adapt settings)") from None
-        return Header(model, length, n, streams, payload, checksum, *strs, adapt), pos + 4
+        return Header(model, kernel, checksum, length, streams, adapt, coded, symbols, payload), r.pos
 
 
 @dataclass(frozen=True)
@@ -154,8 +237,11 @@ class CompressResult:
     symbols: int
     streams: int
     seconds: float
-    model_bits: float | None = None  # the model's own code length (compress only)
+    model_bits: float | None = None  # the mixed prediction's code length, all symbols (compress only)
     adapt: DynamicConfig | None = None
+    blocks: int = 0
+    stored_blocks: int = 0
+    coded_bits: float | None = None  # model_bits of the model-coded blocks only
 
     def to_dict(self) -> dict:
         bits = 8 * self.compressed_bytes
@@ -163,6 +249,7 @@ class CompressResult:
             "original_bytes": self.original_bytes, "compressed_bytes": self.compressed_bytes,
             "header_bytes": self.header_bytes, "characters": self.characters,
             "symbols": self.symbols, "streams": self.streams,
+            "blocks": self.blocks, "stored_blocks": self.stored_blocks,
             "bits_per_char": bits / max(self.characters, 1),
             "bits_per_byte": bits / max(self.original_bytes, 1),
             "model_bits_per_char": None if self.model_bits is None
@@ -176,24 +263,56 @@ def _characters(data: bytes) -> int:
     return len(data.decode("utf-8", "surrogateescape"))
 
 
+def _streams(blocks: list[tuple[int, int, int]], ext: list[np.ndarray], streams: int):
+    """Blocks' extended symbols -> (steps, S) grid, the block of each cell, lengths (S,)."""
+    cols = [[] for _ in range(streams)]
+    ids = [[] for _ in range(streams)]
+    for j, ((s, _, _), e) in enumerate(zip(blocks, ext, strict=True)):
+        cols[s].append(e)
+        ids[s].append(np.full(len(e), j, dtype=np.int64))
+    cols = [np.concatenate(c) if c else np.zeros(0, dtype=np.int64) for c in cols]
+    ids = [np.concatenate(c) if c else np.zeros(0, dtype=np.int64) for c in ids]
+    return grid(cols, -1), grid(ids, -1), np.array([len(c) for c in cols], dtype=np.int64)
+
+
 def compress_bytes(lm: LoadedModel, data: bytes, adapt: DynamicConfig | None = None,
                    streams: int | None = None,
                    progress: Callable[[float], None] | None = None) -> tuple[bytes, CompressResult]:
     """data -> the .zlmz bytes, and what it cost. lm: loaded on the CPU in fp32."""
     t0 = time.perf_counter()
     alphabet = Alphabet(lm.tokenizer)
-    sym, esc = alphabet.encode(data)
-    layout = Layout.choose(len(sym), streams)
-    side = EncodeSide(sym, esc, layout, alphabet)
+    layout = Layout.choose(data, streams)
+    blocks = layout.blocks()
+    ext = [alphabet.extend(*alphabet.encode(data[a:z])) for _, a, z in blocks]
+    cells, owner, lengths = _streams(blocks, ext, layout.streams)
+    side = EncodeSide(cells, owner, alphabet)
     with fixed_threads():
-        bits = run_coder(lm.model, alphabet, layout, side, adapt, measure=True, progress=progress)
-    payload = side.coder.finish()
-    head = Header(model_id(lm), len(data), len(sym), layout.streams, len(payload),
-                  hashlib.sha256(data).digest()[:8], lm.runtime.precision, kernel_path(),
-                  adapt).pack()
-    out = head + payload
-    return out, CompressResult(len(data), len(out), len(head), _characters(data), len(sym),
-                               layout.streams, time.perf_counter() - t0, bits, adapt)
+        bits = run_coder(lm.model, alphabet, lengths, side, adapt, progress=progress)
+    # Model-code a block when its coded bits and its header entry take fewer bytes than it.
+    costs = side.costs(len(blocks))
+    coded = np.array([math.ceil(c / 8) + len(_varint(_zigzag(z - a - len(e)))) < z - a
+                      for c, e, (_, a, z) in zip(costs, ext, blocks, strict=True)], dtype=bool)
+    ids = model_id(lm)[:8], kernel_id(lm.runtime.precision), zlib.crc32(data)
+
+    def container(coded: np.ndarray) -> tuple[bytes, bytes]:
+        """(header, stored blocks + range coder bytes)."""
+        payload = side.payload(coded)
+        head = Header(*ids, len(data), layout.streams, adapt, tuple(coded.tolist()),
+                      tuple(len(e) for e, c in zip(ext, coded, strict=True) if c), len(payload))
+        stored = b"".join(data[a:z] for (_, a, z), c in zip(blocks, coded, strict=True) if not c)
+        return head.pack(), stored + payload
+
+    head, body = container(coded)
+    if coded.any():
+        head_s, body_s = container(np.zeros(len(blocks), dtype=bool))
+        if len(head_s) + len(body_s) <= len(head) + len(body):
+            coded, head, body = np.zeros(len(blocks), dtype=bool), head_s, body_s
+    owner_flat = owner[owner >= 0]
+    coded_bits = float(bits[owner >= 0][coded[owner_flat]].sum()) if len(owner_flat) else 0.0
+    out = head + body
+    return out, CompressResult(len(data), len(out), len(head), _characters(data),
+                               int(lengths.sum()), layout.streams, time.perf_counter() - t0,
+                               float(bits.sum()), adapt, len(blocks), int((~coded).sum()), coded_bits)
 
 
 def decompress_bytes(lm: LoadedModel, blob: bytes, name: str = "input",
@@ -201,35 +320,58 @@ def decompress_bytes(lm: LoadedModel, blob: bytes, name: str = "input",
     """.zlmz bytes -> the original bytes, checked; a one-line CompressedFileError otherwise."""
     t0 = time.perf_counter()
     header, pos = Header.unpack(blob, name)
-    if header.model != model_id(lm):
+    mine = model_id(lm)
+    if header.model != mine[:8]:
         raise CompressedFileError(
-            f"{name} was compressed with a different model (id {header.model.hex()[:12]}, this "
-            f"one is {model_id(lm).hex()[:12]}); pass the RUN it was compressed with")
-    if header.kernel != kernel_path() or header.precision != lm.runtime.precision:
+            f"{name} was compressed with a different model (id {header.model.hex()}, this "
+            f"one is {mine[:8].hex()}); pass the RUN it was compressed with")
+    if header.kernel != kernel_id(lm.runtime.precision):
         raise CompressedFileError(
-            f"{name} was compressed with kernel path '{header.precision} {header.kernel}' but "
-            f"this is '{lm.runtime.precision} {kernel_path()}'; decompress with the same "
-            "zlm/torch build on the same kind of CPU")
+            f"{name} was compressed with another kernel path (id {header.kernel.hex()}; this "
+            f"is {kernel_id(lm.runtime.precision).hex()}: '{lm.runtime.precision} "
+            f"{kernel_path()}'); decompress with the same zlm/torch build on the same kind of CPU")
     alphabet = Alphabet(lm.tokenizer)
-    layout = Layout(header.symbols, header.streams)
-    if header.symbols and not 1 <= header.streams <= header.symbols:
-        raise CompressedFileError(f"{name} is damaged (impossible stream layout)")
-    if len(blob) - pos < header.payload:
-        raise CompressedFileError(f"{name} is truncated ({len(blob) - pos:,} of "
-                                  f"{header.payload:,} bytes of coded data)")
-    if len(blob) - pos > header.payload:
-        raise CompressedFileError(f"{name} is damaged ({len(blob) - pos - header.payload:,} "
-                                  "bytes after the coded data)")
-    side = DecodeSide(blob[pos:], layout, alphabet)
+    blocks = Layout(header.length, header.streams).blocks()
+    stored_bytes = sum(z - a for (_, a, z), c in zip(blocks, header.coded, strict=True) if not c)
+    need = stored_bytes + header.payload
+    if len(blob) - pos < need:
+        raise CompressedFileError(f"{name} is truncated ({len(blob) - pos:,} of {need:,} bytes "
+                                  "after the header)")
+    if len(blob) - pos > need:
+        raise CompressedFileError(f"{name} is damaged ({len(blob) - pos - need:,} bytes after "
+                                  "the coded data)")
+    counts = iter(header.symbols)
+    raw, ext, at = [], [], pos
+    for (_, a, z), c in zip(blocks, header.coded, strict=True):
+        if c:
+            n = next(counts)
+            if not 0 <= n <= 4 * (z - a) + 16:  # no tokenizer makes that many of z - a bytes
+                raise CompressedFileError(f"{name} is damaged (impossible block length)")
+            raw.append(None)
+            ext.append(np.full(n, -1, dtype=np.int64))
+        else:
+            raw.append(blob[at : at + z - a])
+            ext.append(alphabet.extend(*alphabet.encode(raw[-1])))
+            at += z - a
+    cells, owner, lengths = _streams(blocks, ext, header.streams)
+    coded = np.array(header.coded + (False,), dtype=bool)[owner]  # owner -1 -> False
+    side = DecodeSide(blob[at:], cells, coded, alphabet)
     with fixed_threads():
-        run_coder(lm.model, alphabet, layout, side, header.adapt, progress=progress)
-    data = alphabet.decode(layout.flatten(side.sym), layout.flatten(side.esc))
-    if side.coder.overrun:
-        raise CompressedFileError(f"{name} is damaged (the coded data ends early)")
-    if len(data) != header.length or hashlib.sha256(data).digest()[:8] != header.checksum:
+        run_coder(lm.model, alphabet, lengths, side, header.adapt, progress=progress)
+    parts, fill = [], [0] * header.streams
+    for (s, _, _), r, e in zip(blocks, raw, ext, strict=True):
+        if r is None:
+            got = cells[fill[s] : fill[s] + len(e), s]
+            parts.append(alphabet.decode(*alphabet.split(got)))
+        else:
+            parts.append(r)
+        fill[s] += len(e)
+    data = b"".join(parts)
+    if len(data) != header.length or zlib.crc32(data) != header.checksum:
         raise CompressedFileError(f"{name} is damaged (the decoded text fails its checksum)")
-    return data, CompressResult(len(data), len(blob), pos, _characters(data), header.symbols,
-                                header.streams, time.perf_counter() - t0, None, header.adapt)
+    return data, CompressResult(len(data), len(blob), pos, _characters(data), int(lengths.sum()),
+                                header.streams, time.perf_counter() - t0, None, header.adapt,
+                                len(blocks), header.coded.count(False))
 
 
 def load_for_coding(run) -> LoadedModel:

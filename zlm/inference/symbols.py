@@ -16,6 +16,9 @@ The bytes are read as UTF-8 with Python's surrogateescape, so invalid bytes are 
 surrogates U+DC80..U+DCFF (never in a vocabulary trained on valid text) and
 `text.encode("utf-8", "surrogateescape")` gives the original bytes back, always.
 After an ESC the model is fed `rest_id` (a newline, or id 0 without one) as its input.
+
+Extended symbols (`extend` / `split`) fold each ESC and its byte into one value, V + byte:
+the match model of `zlm.inference.modelcoder` hashes and predicts these.
 """
 
 from __future__ import annotations
@@ -132,6 +135,25 @@ class Alphabet:
         if run:
             out.append(self.tokenizer.decode(run).encode("utf-8"))
         return b"".join(out)
+
+    # ------------------------------------------------- extended symbols (the match model's)
+
+    def extend(self, sym: np.ndarray, esc: np.ndarray) -> np.ndarray:
+        """(symbols, escaped bytes) -> extended symbols (N,) int64: a token is its id, an
+        escaped byte b is V + b (so V + 256 values). What the match model remembers and
+        predicts: an escape together with its byte."""
+        if not self.escape:
+            return np.asarray(sym, dtype=np.int64)
+        return np.where(sym == self.esc, self.vocab + np.asarray(esc, dtype=np.int64), sym)
+
+    def split(self, ext: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The inverse of `extend`: extended symbols -> (symbols, escaped bytes)."""
+        ext = np.asarray(ext, dtype=np.int64)
+        if not self.escape:
+            return ext, np.zeros(len(ext), dtype=np.uint8)
+        escaped = ext >= self.vocab
+        return (np.where(escaped, self.esc, ext),
+                np.where(escaped, ext - self.vocab, 0).astype(np.uint8))
 
     def model_inputs(self, sym: np.ndarray) -> np.ndarray:
         """What the model is fed after each symbol: the token, or rest_id after ESC."""
