@@ -59,8 +59,8 @@ def plan(source: str | Path, options: Options = Options(), *, out: Path | None =
     preset adapted by the defaults rule). world: processes the run will have (default:
     the launcher's WORLD_SIZE, else 1). init_from: a trained model (RUN_DIR or checkpoint)
     whose weights, shape and tokenizer the new run starts from (`zlm.training.init_from`).
-    Under torchrun only rank 0 plans for real; the
-    other ranks' plans are replaced by rank 0's when the Trainer starts.
+    Under torchrun only rank 0 plans for real; the other ranks' plans are replaced by
+    rank 0's when the Trainer starts.
     """
     rep = reporter or Reporter()
     source = str(source)
@@ -111,7 +111,7 @@ def _rule(base: Preset, data: Dataset, options: Options, world: int, rep: Report
     model, train = probe.apply(base.model, base.train, data.vocab_size)
     length = defaults.RunLength(data.split_info("train").tokens, train.time_budget, train.epochs,
                                 train.max_steps, train.batch_size * train.bptt * world, data.vocab_size,
-                                model.embed, train.bptt, options.bptt is not None)
+                                model.embed, train.bptt, options.bptt is not None, train.batch_size)
     speed = gpu = None
     if defaults.needs_probe(length):
         from zlm.training import speed_probe
