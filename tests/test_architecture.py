@@ -204,3 +204,58 @@ def test_the_entry_point_check_sees_a_second_trainer(tmp_path):
     rogue = tmp_path / "rogue.py"
     rogue.write_text("from zlm.training.trainer import Trainer\nTrainer(None).fit()\n")
     assert _calls_of("Trainer", [rogue]) == {"rogue.py": 1}
+
+
+# Module-level state that changes at run time, each with why it must live at module level.
+# Everything else a module holds at its top level is a constant (never mutated).
+MODULE_STATE = {
+    "zlm.model.cells.cpu_ext._state": "the compiled extension: built or loaded once per process",
+    "zlm.model.cells._compiled": "the compiled CPU cell function, made once from the extension",
+    "zlm.model.cells.packed_gemm._cache": "oneDNN-packed weights, reused while the weights are unchanged",
+    "zlm.model.cells.workspace._pool": "per-shape scratch buffers of the CPU cell, reused across windows",
+}
+_MUTATORS = {"append", "extend", "insert", "remove", "pop", "popitem", "clear", "update", "setdefault", "add",
+             "discard"}
+
+
+def mutable_module_state(path: Path, name: str) -> set[str]:
+    """Top-level names of `path` that a function mutates (item assignment, a mutating method,
+    or a `global` rebinding)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    top = set()
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        top.update(t.id for t in targets if isinstance(t, ast.Name))
+    found = set()
+    for fn in ast.walk(tree):
+        if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Global):
+                found.update(n for n in node.names if n in top)
+            elif isinstance(node, ast.Assign | ast.AugAssign | ast.Delete):
+                targets = node.targets if isinstance(node, ast.Assign | ast.Delete) else [node.target]
+                for t in targets:
+                    if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name) and t.value.id in top:
+                        found.add(t.value.id)
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and node.func.attr in _MUTATORS and isinstance(node.func.value, ast.Name) \
+                    and node.func.value.id in top:
+                found.add(node.func.value.id)
+    return {f"{name}.{n}" for n in found}
+
+
+def test_module_level_state_is_listed_with_its_reason():
+    """No module keeps run-time state at its top level unless MODULE_STATE says why."""
+    found = set()
+    for name, path in modules().items():
+        found |= mutable_module_state(path, name)
+    assert found == set(MODULE_STATE), (f"unlisted: {sorted(found - set(MODULE_STATE))}; "
+                                        f"listed but gone: {sorted(set(MODULE_STATE) - found)}")
+
+
+def test_the_state_check_sees_a_cache(tmp_path):
+    """A guard that cannot fail is no guard: a module-level dict filled by a function is found."""
+    m = tmp_path / "m.py"
+    m.write_text("_seen = {}\nLIMIT = 3\ndef remember(k, v):\n    _seen[k] = v\n    return LIMIT\n")
+    assert mutable_module_state(m, "m") == {"m._seen"}

@@ -20,8 +20,7 @@ from zlm.model.cells import choose_cell
 from zlm.model.lm import ModelConfig, ZoneoutLM
 from zlm.training.defaults import CUDA_BATCHES, GpuSpeeds
 from zlm.training.graphs import WindowStep, graphs_unavailable_reason, resolve_graphs
-from zlm.training.step import forward_backward
-from zlm.training.trainer import build_optimizer
+from zlm.training.step import build_optimizer, forward_backward
 
 
 def probe_tokens_per_s(model: ModelConfig, train: TrainConfig, seconds: float = 2.0,

@@ -1,8 +1,12 @@
-"""One training window's forward, loss and backward: what the Trainer runs, what
-`WindowStep` may capture into a CUDA graph, and what the speed probe times."""
+"""One training step's parts: the window's forward, loss and backward (what `WindowStep`
+may capture into a CUDA graph) and the optimizer - what the Trainer runs and the speed
+probe times."""
 
 from __future__ import annotations
 
+import torch
+
+from zlm.core.config import TrainConfig
 from zlm.model.lm import token_nll
 
 
@@ -20,3 +24,15 @@ def forward_backward(model, runtime, scaler, x, y, h0, c0, *, cache: bool = True
         loss = fault(step, loss)
     scaler.scale(loss).backward()
     return loss.detach(), h.detach().float(), c.detach().float()
+
+
+def build_optimizer(cfg: TrainConfig) -> tuple[type, dict]:
+    """The optimizer class and its keyword arguments (ZeRO wraps the same pair).
+
+    Fused: one kernel per step, and it takes a `found_inf` flag tensor that skips the
+    update on the device (parameters, moments and step count unchanged), so a non-finite
+    step needs no host read to be skipped (`Trainer.train_step`)."""
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD, dict(lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay, fused=True)
+    cls = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
+    return cls, dict(lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)

@@ -41,22 +41,10 @@ from zlm.training.resolve import cell_for
 from zlm.training.run_dir import RunDir
 from zlm.training.schedule import LRSchedule
 from zlm.training.state import Checkpointer, RNGState, TrainState
-from zlm.training.step import forward_backward
+from zlm.training.step import build_optimizer, forward_backward
 
 RESIDENT_SHARE = 0.25  # of free device memory the training split may take to live there
 GAP_TOKENS = 50_000  # train tokens scored at each validation for the generalisation gap (at most)
-
-
-def build_optimizer(cfg: TrainConfig) -> tuple[type, dict]:
-    """The optimizer class and its keyword arguments (ZeRO wraps the same pair).
-
-    Fused: one kernel per step, and it takes a `found_inf` flag tensor that skips the
-    update on the device (parameters, moments and step count unchanged), so a non-finite
-    step needs no host read to be skipped (`Trainer.train_step`)."""
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD, dict(lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay, fused=True)
-    cls = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
-    return cls, dict(lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
 
 
 @dataclass
