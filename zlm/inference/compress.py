@@ -3,7 +3,8 @@
 Owns the file format, the model's identity (`model_id`), and `compress_bytes` /
 `decompress_bytes` (and their file-level wrappers behind the CLI). The coding itself is
 `zlm.inference.modelcoder`'s loop over `zlm.inference.symbols.Alphabet` symbols: the LSTM's
-prediction mixed with an escape model and a match model, per stream and block.
+prediction mixed with an escape model, a context model and a match model, per stream
+and block.
 
 Format (version 2; integers little-endian, varint = LEB128):
 
@@ -22,15 +23,16 @@ Format (version 2; integers little-endian, varint = LEB128):
     u32     CRC-32 of everything above
     ...     the stored blocks' bytes, in block order, then the range coder's bytes
 
-The header is 29 bytes for an empty file and about 30-40 for most others (one bit per
-block of at most 64 KiB of a stream, two bytes or so per model-coded block). The encoder
+The header is 29 bytes for an empty file, about 32 for a short text, and a bit and a
+byte or so more for each further block (blocks: at most 64 KiB of one stream). The encoder
 model-codes a block only when that is smaller than storing it, and stores everything
 when the model saves nothing overall, so no file grows by more than its header.
 
 Decoding needs the same model and the same kernel path (zlm's step kernels, torch and
-numpy builds, CPU instruction set, thread count): the header names both by hash and the decoder refuses another one with a one-line error, as it does an
-older format, a damaged or truncated file (header CRC, lengths, text checksum). Nothing is
-written unless the whole file decodes and checks.
+numpy builds, CPU instruction set, thread count): the header names both by hash and the
+decoder refuses another one with a one-line error, as it does an older format, a damaged
+or truncated file (header CRC, lengths, text checksum). Nothing is written unless the
+whole file decodes and checks.
 """
 
 from __future__ import annotations
