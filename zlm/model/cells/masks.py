@@ -55,7 +55,7 @@ def draw_keep(
     seed = torch.empty(1, dtype=torch.int64, device=device).random_(-(2**63), None, generator=generator)
     ext = cpu_ext.loaded()
     if ext is not None and out.device.type == "cpu" and dtype in (torch.float32, torch.float64):
-        ext.draw_mask(int(seed), level - _OFFSET, out)  # the same bits, written as the mask
+        ext.draw_mask(seed, level - _OFFSET, out)  # the same bits, written as the mask
         return out
     n = math.prod(shape)
     words = mix_words(seed, -(-n // _LANES))  # (ceil(n / 4),) int64

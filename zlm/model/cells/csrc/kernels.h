@@ -119,7 +119,7 @@ at::Tensor backward_window(const at::Tensor& acts, const at::Tensor& tc, const a
 void bf16_pair(const at::Tensor& w, const at::Tensor& out, const at::Tensor& out_t);
 
 // ---------------------------------------------------------------- mask_draw.cpp
-void draw_mask(int64_t seed, int64_t below, const at::Tensor& out);
+void draw_mask(const at::Tensor& seed, int64_t below, const at::Tensor& out);
 
 // ---------------------------------------------------------------- decoder.cpp
 // Tile layout of the Decoder's packed weights (see decoder.cpp).

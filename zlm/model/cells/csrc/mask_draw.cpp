@@ -50,11 +50,13 @@ void mask_words(uint64_t seed, int64_t below, int64_t w0, int64_t w1, int64_t n,
 
 }  // namespace
 
-void draw_mask(int64_t seed, int64_t below, const at::Tensor& out) {
+void draw_mask(const at::Tensor& seed, int64_t below, const at::Tensor& out) {
   TORCH_CHECK(out.is_contiguous() && (out.scalar_type() == at::kFloat || out.scalar_type() == at::kDouble),
               "draw_mask: out contiguous fp32 or fp64");
+  TORCH_CHECK(seed.device().is_cpu() && seed.scalar_type() == at::kLong && seed.numel() == 1,
+              "draw_mask: seed one int64 on the CPU");
   const int64_t n = out.numel(), words = (n + kLanes - 1) / kLanes;
-  const uint64_t s = static_cast<uint64_t>(seed);
+  const uint64_t s = static_cast<uint64_t>(*seed.data_ptr<int64_t>());  // read here, not by Python
   at::parallel_for(0, words, 16384, [&](int64_t w0, int64_t w1) {
     if (out.scalar_type() == at::kFloat) mask_words<float>(s, below, w0, w1, n, ptr<float>(out));
     else mask_words<double>(s, below, w0, w1, n, ptr<double>(out));
