@@ -9,17 +9,20 @@ is off) laid out for T = 1:
               c = z_c c + (1 - z_c) c~;  h = z_h h + (1 - z_h) h~
     decoder   logits = h W_d^T + b_d                 (B, V)
 
-into buffers allocated once. Three kernels, chosen once per `Stepper`:
+into buffers allocated once. Three kernels, chosen once per `Stepper` (the table of which
+runs when: docs/kernels.md):
 
 - "decode" (CPU, fp32 model, compiled extension): the whole step - every layer's
   matrix-vector products, the element-wise work and the decoder - is ONE call of the
   C++ `Decoder` (zlm/model/cells/csrc/decoder.cpp), on weights packed here once into
-  32-column tiles with the gates of 8 units side by side (`pack_tiles`, `gate_columns`).
+  tiles of DECODER_TILE (32) columns with the gates of DECODER_UNITS (8) units side by
+  side (`pack_tiles`, `gate_columns`; the constants: `zlm.model.cells.kernel_constants`).
   The products are memory-bound at batch 1, so bf16 weights (lp=True) halve the bytes
   read per token; x, h, c and the accumulators stay fp32.
-- "cpp": per layer a torch multiply for the recurrence and one call of the compiled
-  element-wise step (`forward_step`). `zlm compress` records and replays this kernel.
-- "torch": ~20 small torch ops per layer (no compiler, fp64, CUDA).
+- "cpp" (CPU, compiled extension): per layer a torch multiply for the recurrence and one
+  call of the compiled element-wise step (`forward_step`). It runs fp64 models, and
+  `zlm compress` records and replays it.
+- "torch": ~20 small torch ops per layer, where there is no compiled extension, and on CUDA.
 
 Each is checked against the model's forward (tests/inference/test_stepper_compiled.py,
 tests/inference/test_sample.py).
@@ -38,11 +41,11 @@ KERNELS = ("auto", "decode", "cpp", "torch")
 
 
 def gate_columns(H: int) -> Tensor:
-    """(Np,) int64, Np = ceil(H/8) * 32: for each packed column, the column of a (.., 4H)
-    gate matrix (blocks i, f, g, o) it takes, or 4H for a zero pad; tile t holds the four
-    gates of units 8t .. 8t+7, 8 columns each."""
+    """(Np,) int64, Np = ceil(H / DECODER_UNITS) * DECODER_TILE: for each packed column, the
+    column of a (.., 4H) gate matrix (blocks i, f, g, o) it takes, or 4H for a zero pad;
+    tile t holds the four gates of units 8t .. 8t+7, 8 columns each."""
     tiles = -(-H // DECODER_UNITS)
-    unit = torch.arange(tiles).view(tiles, 1, 1) * DECODER_UNITS + torch.arange(DECODER_UNITS).view(1, 1, DECODER_UNITS)
+    unit = torch.arange(tiles).view(tiles, 1, 1) * DECODER_UNITS + torch.arange(DECODER_UNITS).view(1, 1, -1)
     col = torch.arange(4).view(1, 4, 1) * H + unit  # (tiles, 4, DECODER_UNITS)
     return torch.where(unit < H, col, 4 * H).reshape(-1)
 
@@ -54,7 +57,8 @@ def interleave(m: Tensor, H: int) -> Tensor:
 
 
 def pack_tiles(w: Tensor) -> Tensor:
-    """A right operand (K, N) -> (ceil(N/32), K, 32) contiguous tiles (zero-padded)."""
+    """A right operand (K, N) -> (ceil(N / DECODER_TILE), K, DECODER_TILE) contiguous tiles
+    (zero-padded)."""
     K, N = w.shape
     n = -(-N // DECODER_TILE) * DECODER_TILE
     w = torch.cat([w, w.new_zeros(K, n - N)], 1) if n > N else w
@@ -136,9 +140,9 @@ class Stepper:
         weights, biases = [], []
         for k, layer in enumerate(model.layers):
             w = layer.weight_hh.t() if k == 0 else torch.cat([layer.weight_ih.t(), layer.weight_hh.t()], 0)
-            weights.append(pack_tiles(interleave(w, H)).to(wd))  # (tiles, K, 32)
+            weights.append(pack_tiles(interleave(w, H)).to(wd))  # (tiles, K, DECODER_TILE)
             biases.append(interleave(layer.bias, H) if k else torch.empty(0))
-        dec_w = pack_tiles(model.decoder.weight.t())  # (ceil(V/32), H, 32)
+        dec_w = pack_tiles(model.decoder.weight.t())  # (ceil(V / DECODER_TILE), H, DECODER_TILE)
         return self.ext.Decoder(table, weights, biases, dec_w, model.decoder.bias.detach().clone(),
                                 self.h, self.c, [float(k) for k in self.keep_c],
                                 [float(k) for k in self.keep_h], int(self.threads))

@@ -31,8 +31,9 @@ class CellChoice:
     """Which cell implementation runs, and why (said once at start).
 
     name: the --cell value it satisfies (fused | reference | plain); kernel: the code that
-    runs (compiled C++ step, Python fused, Triton, reference, plain). Both are stored in a
-    run's config.json so that a resumed run runs the very same kernel (bit-exact losses).
+    runs (compiled C++ step, Python fused, Triton, reference, plain; which runs when:
+    docs/kernels.md). Both are stored in a run's config.json so that a resumed run runs the
+    very same kernel (bit-exact losses).
     """
 
     name: str

@@ -95,7 +95,7 @@ def _same(w: Tensor) -> tuple[Tensor, None]:
 
 
 def _transpose(w: Tensor) -> tuple[Tensor, None]:
-    return w.t().contiguous(), None  # oneDNN reorders a strided source 1.5-2x slower
+    return w.t().contiguous(), None  # copy and reorder: as fast as reordering the view (docs/kernels.md)
 
 
 def _bf16(w: Tensor) -> tuple[Tensor, None]:
@@ -112,7 +112,7 @@ def _bf16_transpose(w: Tensor) -> tuple[Tensor, None]:
 
 
 _PACKED_PROJECTION_BYTES = 32 << 20  # the packed input projection's result, at most
-_PACKED_PROJECTION_ROWS = 2048  # T*B, at least: below, packing W_ih costs more than it saves
+_PACKED_PROJECTION_ROWS = 2048  # T*B, at least: below, packing W_ih does not pay for itself
 
 
 def _with_bias(w: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
@@ -127,14 +127,12 @@ def _input_projection(xs: Tensor, w_ih: Tensor, bias: Tensor, out: Tensor, backe
                       lp: bool) -> Tensor:
     """x W_ih^T + b for the whole window, (T*B, I) -> (T, B, 4H) in xs's dtype.
 
-    With oneDNN (the backend of the recurrent products) and a result that fits the last-level
-    cache, one packed-weight product: at the window's shape (K = the embedding width, small)
-    it ran 1.4-1.6x faster than addmm here (measured, 2 cores, 32 MB L3, 3200 x 64 x 2048:
-    fp32 5.7 ms against 9.3, bf16 2.8 against 3.8); the result is a fresh tensor that
-    replaces `out`. Larger results ran faster through addmm into `out` (12800 x 64 x 2048:
-    fp32 30 ms against 55, bf16 16 against 27; 3200 x 64 x 4000 fp32: 17 against 28), and
-    small windows too, where packing W_ih costs more than it saves (800 rows, bf16: addmm
-    0.65 ms against 0.97 packed with the reorder).
+    With oneDNN (the backend of the recurrent products), at least _PACKED_PROJECTION_ROWS
+    rows and a result of at most _PACKED_PROJECTION_BYTES (it stays in the last-level
+    cache): one product with W_ih packed for it, whose result, a fresh tensor, replaces
+    `out`. Otherwise addmm into `out`, the reused workspace: about twice as fast once the
+    fresh result outgrows the cache, and no slower for small windows, where packing W_ih
+    does not pay for itself (docs/kernels.md).
     """
     size = out.numel() * out.element_size()
     if backend == "onednn" and xs.shape[0] >= _PACKED_PROJECTION_ROWS and size <= _PACKED_PROJECTION_BYTES:

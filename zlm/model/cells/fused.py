@@ -91,10 +91,11 @@ def _forward(x, h0, c0, weight_ih, weight_hh, bias, keep_c: Keep, keep_h: Keep, 
 
 
 def _step(x, h0, c0, weight_ih, weight_hh, bias, keep_c: Keep, keep_h: Keep):
-    """One timestep of inference (T = 1: a caller stepping the cell one token at a time, e.g.
-    `zlm bench`'s sampling row; `zlm sample` has its own Stepper): one cached GEMM for [x, h]
-    (addmm: robust on a busy machine, see `zlm.model.cells.packed_gemm`) and a few small fresh
-    tensors; no workspace, no per-window setup."""
+    """One timestep of inference (T = 1: a window of one token, such as `zlm sample`'s default
+    one-newline prime, or a caller stepping the model one token at a time; `zlm sample` then
+    steps with `zlm.inference.stepper.Stepper`): one cached GEMM for [x, h] (addmm: robust on
+    a busy machine, see `zlm.model.cells.packed_gemm`) and a few small fresh tensors; no
+    workspace, no per-window setup."""
     H = h0.shape[1]
     gemm = recurrent_gemm((weight_ih, weight_hh, bias), h0.shape[0], "step", _stacked, True, "addmm")
     pre = gemm.mm(torch.cat([x[0], h0], 1))  # (B, 4H) = x W_ih^T + h W_hh^T + b

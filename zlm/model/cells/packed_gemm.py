@@ -1,25 +1,23 @@
-"""The per-step matrix multiplies of the fused CPU cell: packed oneDNN weights, or addmm.
+"""The per-step matrix multiplies of the fused CPU cells: packed oneDNN weights, or addmm.
 
 The recurrence issues one small matrix multiply per timestep (forward: h_prev W_hh^T,
-backward: dgates W_hh), so the library behind it sets the ceiling on speed. Measured on
-a 2-core AVX-512 machine (torch 2.13, fp32), oneDNN with the weight reordered ("packed")
-once into its blocked layout ran these shapes 1.4-2.3x faster per call than
-`torch.addmm` into a preallocated output (MKL), and it can fuse the addition of the input
-projection into the same call. oneDNN here takes fp32 (not fp64), so anything else - fp64,
-CUDA tensors, a torch without oneDNN - uses `torch.addmm`. In bf16 (CPU autocast) the
-weight is packed in bf16 where the CPU has native bf16 (AVX512-BF16 or AMX): measured on a
-2-core AMD EPYC with AVX512-BF16, B 32 x H 512 took 85 us per product against 109 for
-`torch.mm` in bf16 (B 32 x H 1000: 308 against 625).
+(B, H) x (H, 4H); backward: dpre W_hh, (B, 4H) x (4H, H)), so the library behind it sets
+the ceiling on speed. A `RecurrentGemm` holds one weight W (N, K) in the form its backend
+wants:
 
-One exception, measured too: oneDNN splits even a batch-1 product over all threads, and
-when another process holds a core each call can wait milliseconds for the descheduled
-thread (sampling fell from ~2,000 to ~100 characters/s on a busy 2-core machine), while
-MKL's GEMV through addmm degrades gracefully. So the single-step inference path (the cell
-called with T = 1) uses addmm on a contiguous transposed weight; whole windows keep oneDNN.
+- "onednn": W reordered ("packed") once into oneDNN's blocked layout for one batch size,
+  so no call reorders it again, and the addition of the input projection runs inside the
+  same call. fp32 on the CPU, and bf16 where the CPU has native bf16 (AVX512-BF16 or AMX;
+  elsewhere oneDNN has no bf16 kernels);
+- "addmm": W^T as a contiguous (K, N) copy for `torch.addmm` (MKL): fp64, CUDA tensors, a
+  torch without oneDNN, and the single-step inference path (the cell called with T = 1):
+  oneDNN splits even a batch-1 product over all threads, so while another process holds a
+  core every call waits for the descheduled thread, where MKL's GEMV degrades gracefully.
 
-A `RecurrentGemm` is built once per training window (the weights change after every
-optimizer step); for inference it is cached, so a caller that steps the cell one token
-at a time packs the weights once, not once per token.
+How the two compare on one machine: docs/kernels.md. A `RecurrentGemm` is built once per
+training window (the weights change after every optimizer step); for inference it is
+cached, so a caller that steps the cell one token at a time packs the weights once, not
+once per token.
 """
 
 from __future__ import annotations
@@ -103,10 +101,9 @@ class RecurrentGemm:
 def mm_nt(a: Tensor, b: Tensor) -> Tensor:
     """a @ b^T for contiguous fp32 CPU matrices a (M, K), b (N, K) -> (M, N), by oneDNN.
 
-    The weight gradients of a window (dW = dpre^T h_prev over T*B rows) are large products;
-    on an AMD CPU with AVX-512 oneDNN ran them about twice as fast as `torch.mm` (MKL):
-    measured, 2 cores, dW_hh of B 32 x T 100 x H 512 16 ms against 37 (H 1000: 77 against
-    192; B 128 x H 1000: 288 against 556) when both operands are already contiguous.
+    The weight gradients of a window (dW = dpre^T h_prev over T*B rows) are large products,
+    which oneDNN runs faster than `torch.mm` (MKL) when both operands are already contiguous
+    (docs/kernels.md).
     """
     return torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
 

@@ -1,7 +1,7 @@
-"""Buffers of the fused CPU cell, reused across windows instead of allocated per window.
+"""Buffers of the fused CPU cells (Python and compiled), reused across windows, not allocated per window.
 
-Allocating a fresh (T, B, 4H) buffer every window costs 15-20% of a training step in
-page faults on a CPU (measured for this cell). A workspace is taken from a small pool per
+Allocating fresh (T, B, 4H) buffers every window makes a training step pay for page
+faults on a CPU (how much: docs/kernels.md). A workspace is taken from a small pool per
 (kind, shape, dtype, device) and goes back to the pool by itself: it is free again as
 soon as nothing but the pool refers to it - the autograd node of a window keeps its
 forward workspace until the graph is freed, so a retained graph (gradcheck, or

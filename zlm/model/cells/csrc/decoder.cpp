@@ -197,7 +197,7 @@ void Decoder::step(const at::Tensor& tok, const at::Tensor& logits) {
   const float* dw = dec_w.data_ptr<float>();
   const float* db = dec_b.data_ptr<float>();
   float* out = logits.data_ptr<float>();
-  const int64_t work = H * vt * kTile;  // below ~64K weights one thread is faster
+  const int64_t work = H * vt * kTile;  // below 64K weights one thread: waking a second costs more
   at::parallel_for(0, vt, work < 65536 ? vt : split_grain(vt, threads), [&](int64_t t0, int64_t t1) {
     float acc[kTile];
     for (int64_t t = t0; t < t1; ++t) {
