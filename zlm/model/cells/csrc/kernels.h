@@ -5,7 +5,7 @@
 //   cell_steps.cpp  the training cell: element-wise steps, time windows, bf16 conversion
 //   mask_draw.cpp   the zoneout keep masks (the mix16 draw)
 //   decoder.cpp     sampling: the whole-model Decoder and the inverse-CDF token draw
-//   module.cpp      the Python bindings (the only file that includes torch/extension.h)
+//   module.cpp      the Python bindings (the only file that includes pybind11)
 // with explicit instruction-set flags (-mavx2 -mfma, or -mavx512f ...), never -march=native.
 
 #pragma once
