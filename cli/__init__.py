@@ -10,6 +10,7 @@ library function and renders the result.
     zlm sample RUN                       generate text
     zlm score RUN [FILE|-]               bits per character of a text: a heat map of surprise
     zlm info RUN                         what a run or checkpoint holds, without tensors
+    zlm serve RUN                        an HTTP server: streamed sampling, scoring, a playground
     zlm export RUN -o OUT                the model as one step for ONNX / torch.export
     zlm bench                            cell throughput against torch.nn.LSTM
     zlm plot RUN [RUN ...]               learning curves: a PNG (--out) or a terminal view
@@ -49,6 +50,7 @@ from zlm.cli import (  # noqa: E402
     recipe,
     sample,
     score,
+    serve,
     train,
 )
 
@@ -60,6 +62,7 @@ app.command("decompress")(compress.decompress)
 app.command("sample")(sample.command)
 app.command("score")(score.command)
 app.command("info")(info.command)
+app.command("serve")(serve.command)
 app.command("export")(export.command)
 app.command("bench")(bench.command)
 app.command("plot")(plot.command)
