@@ -208,3 +208,27 @@ def test_prime_outside_the_vocabulary():
 def test_config_is_checked(bad):
     with pytest.raises(UsageError):
         SampleConfig(**bad)
+
+
+def test_streaming_reads_tokens_back_once_per_chunk_where_asked(tmp_path, monkeypatch):
+    """On CUDA the stream reads the drawn tokens once per STREAM_EVERY steps (a read is a
+    sync); forced on the CPU here: the same text arrives, in chunks, with one read each."""
+    from zlm.inference import sample as sample_mod
+
+    lm = make_lm()
+    cfg = sample_mod.SampleConfig(prime="the ", length=100, seed=3)
+    whole = sample_mod.generate(lm, cfg)[0].text
+    monkeypatch.setitem(sample_mod.STREAM_EVERY, "cpu", 16)
+    pieces = []
+    reads = {"n": 0}
+    tolist = torch.Tensor.tolist
+
+    def counted(self):
+        reads["n"] += 1
+        return tolist(self)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counted)
+    got = sample_mod.generate(lm, cfg, on_text=pieces.append)[0].text
+    monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+    assert got == whole and "".join(pieces) == "the " + whole
+    assert reads["n"] == -(-100 // 16) + 1  # one per chunk of 16 tokens, and the final collection

@@ -34,6 +34,9 @@ from zlm.inference.stepper import Stepper
 
 PRIME_WINDOW = 512  # the prime runs through the model in windows of this many tokens
 CHUNK = 256  # logits rows kept between likelihood updates
+# Streaming reads drawn tokens back every this many steps: on the CPU each token as it is
+# drawn; on CUDA a read is a sync that idles the device, so once per chunk of text.
+STREAM_EVERY = {"cpu": 1, "cuda": 64}
 
 
 @dataclass(frozen=True)
@@ -218,12 +221,13 @@ def generate(lm, cfg: SampleConfig, on_text: Callable[[str], None] | None = None
     decoder = tok.stream_decoder() if stream else None
     if stream and cfg.prime:
         stream(cfg.prime)
-    C = ring.shape[0]
+    C, every, shown = ring.shape[0], STREAM_EVERY.get(dev.type, 1), 0
     for t in range(n):
         r = t % C
-        nxt = choose(ring[r], out=ids[t])  # (B, 1)
-        if stream:
-            piece = decoder.feed(int(nxt))
+        choose(ring[r], out=ids[t])  # (B, 1)
+        if stream and ((t + 1) % every == 0 or t == n - 1):
+            piece = "".join(decoder.feed(i) for i in ids[shown : t + 1, 0, 0].tolist())  # one read
+            shown = t + 1
             if piece:
                 stream(piece)
         if r == C - 1 or t == n - 1:  # log p before any truncation or temperature
