@@ -33,3 +33,13 @@ def test_only_loopback_addresses():
     out = subprocess.run([sys.executable, str(SCRIPT), "--url", "http://192.0.2.1:8000"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and "loopback only" in out.stderr
+
+
+def test_the_ceiling_without_http(tmp_path):
+    run = tiny_run(tmp_path)
+    out = subprocess.run([sys.executable, str(SCRIPT), str(run), "--ceiling", "--clients", "3", "--length", "50",
+                          "--json"], capture_output=True, text=True, timeout=200)
+    assert out.returncode == 0, out.stdout + out.stderr
+    r = json.loads(out.stdout)
+    assert r["clients"] == 3 and r["kernel"] == "decode"
+    assert r["engine_chars_per_s"] > 0 and r["step_tokens_per_s"] > 0
