@@ -70,6 +70,18 @@ def test_the_child_starts_where_the_parent_is_and_records_it(parent, tmp_path):
     assert r.exit_code == 0 and str(parent / "best") in r.output.replace("\n", "")
 
 
+def test_a_parent_that_changed_after_planning_is_refused(parent, tmp_path):
+    from dataclasses import replace
+
+    from zlm.errors import CheckpointError
+
+    planned = plan(_child_text(tmp_path), TINY | Options(max_steps=2), out=tmp_path / "c", preset="cpu-small",
+                   init_from=parent)
+    moved = replace(planned, spec=replace(planned.spec, parent=replace(planned.spec.parent, model_sha256="0" * 64)))
+    with pytest.raises(CheckpointError, match="has changed since this run was planned"):
+        Trainer(moved)
+
+
 def test_a_shape_option_that_differs_is_refused(parent, tmp_path):
     with pytest.raises(UsageError, match=r"--hidden 32 differs from the 24 of the model in --init-from"):
         plan(_child_text(tmp_path), TINY | Options(hidden=32, max_steps=2), out=tmp_path / "c", init_from=parent)

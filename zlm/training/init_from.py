@@ -62,8 +62,13 @@ def check_shape(parent: Parent, options: Options) -> None:
                              f"{parent.path}; a fine-tuned model keeps its parent's shape: leave {flag(name)} out")
 
 
-def load_parent_weights(model, parent: Parent, tokenizer: Tokenizer) -> None:
-    """Copy the parent's weights into `model` (built with `tokenizer`'s vocabulary)."""
+def load_parent_weights(model, ref: ParentRef, tokenizer: Tokenizer) -> None:
+    """Copy the weights of the parent `ref` records into `model` (built with `tokenizer`'s
+    vocabulary); refused when the parent's model is no longer the one the run was planned on."""
+    parent = find_parent(ref.path)
+    if parent.ref.model_sha256 != ref.model_sha256:
+        raise CheckpointError(f"{ref.path}/model.safetensors has changed since this run was planned (SHA-256 "
+                              f"{parent.ref.model_sha256[:12]}, recorded {ref.model_sha256[:12]}); start a new run")
     loaded = ckpt.load(parent.path)
     rows = _row_map(parent.tokenizer(), tokenizer)  # (V_new,) parent row or -1
     own = model.state_dict()

@@ -35,7 +35,7 @@ from zlm.model.cells.masks import mix_words
 from zlm.model.lm import State, ZoneoutLM
 from zlm.training import distributed
 from zlm.training.graphs import WindowStep, graphs_unavailable_reason, resolve_graphs
-from zlm.training.init_from import find_parent, load_parent_weights
+from zlm.training.init_from import load_parent_weights
 from zlm.training.plan import Plan
 from zlm.training.resolve import cell_for
 from zlm.training.run_dir import RunDir
@@ -78,7 +78,7 @@ class Trainer:
         self.cell = cell_for(self.resolved, cfg.cell, spec.model, device, self.rep.message)
         self.model = ZoneoutLM(spec.model, self.cell.fn).to(self.runtime.device)
         if spec.parent is not None and plan.resume_from is None:  # --init-from: the parent's weights
-            load_parent_weights(self.model, find_parent(spec.parent.path), data.tokenizer)
+            load_parent_weights(self.model, spec.parent, data.tokenizer)
         self.ddp_model = par.wrap_model(self.model)
         opt_cls, opt_kw = build_optimizer(cfg)
         self.optimizer = par.make_optimizer(opt_cls, self.model.parameters(), **opt_kw)
