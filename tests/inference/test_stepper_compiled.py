@@ -72,6 +72,27 @@ def test_decode_result_does_not_depend_on_threads():
     assert torch.equal(one, two)
 
 
+@pytest.mark.parametrize("lp", [False, True])
+@pytest.mark.parametrize("hidden", [33, 64])
+def test_decode_row_does_not_depend_on_the_batch(lp, hidden):
+    """Rows are stepped several at a time (4 with AVX-512): each row's logits and state are
+    bit-identical to stepping that row alone, whatever its place in the batch (`zlm serve`'s
+    text equals `zlm sample`'s). hidden=33: an odd depth (the bf16 pair layout's padding)."""
+    _need_extension()
+    model = _model(2, hidden=hidden, vocab=40)
+    B, T = 7, 6  # one block of 4 and a remainder of 3
+    tokens = torch.randint(0, 40, (T, B), generator=torch.Generator().manual_seed(8))
+    together, _ = _rollout(Stepper(model, B, lp=lp), model, tokens)
+    g = torch.Generator().manual_seed(1)
+    h0 = torch.randn(2, B, hidden, generator=g) * 0.5  # the state _rollout sets
+    for b in (0, 3, 4, 6):
+        alone = Stepper(model, 1, lp=lp)
+        alone.set_state(h0[:, b : b + 1], h0[:, b : b + 1] * 0.7)
+        with torch.no_grad():
+            got = torch.stack([alone(tokens[t, b : b + 1]).clone() for t in range(T)])
+        assert torch.equal(got[:, 0], together[:, b]), f"row {b} of {B} (lp={lp})"
+
+
 def test_decode_follows_load_weights_and_checks_tokens():
     _need_extension()
     model = _model(1)
@@ -95,6 +116,7 @@ def test_kernel_choice():
     assert torch_step.kernel == "torch" and torch_step.ext is None
     fp64 = Stepper(_model(1, dtype=torch.float64), 2)  # the Decoder is fp32-only
     assert fp64.kernel == "cpp"
+    assert cpu_ext.load_extension().decoder_kernel() in ("avx512-bf16dot", "avx512", "avx2", "portable")
     with pytest.raises(ValueError, match="kernel"):
         Stepper(_model(1), 2, kernel="fast")
 

@@ -89,7 +89,8 @@ def test_cache_key_names_torch_isa_and_source():
 
 @pytest.mark.parametrize("flags, isa", [
     ({"avx2", "fma"}, "avx2"),
-    ({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}, "avx512"),
+    ({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"}, "avx512"),
+    ({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}, "avx512bf16"),
     ({"sse4_2"}, "base"),
     (set(), "base"),
 ])

@@ -17,8 +17,11 @@ runs when: docs/kernels.md):
   C++ `Decoder` (zlm/model/cells/csrc/decoder.cpp), on weights packed here once into
   tiles of DECODER_TILE (32) columns with the gates of DECODER_UNITS (8) units side by
   side (`pack_tiles`, `gate_columns`; the constants: `zlm.model.cells.kernel_constants`).
-  The products are memory-bound at batch 1, so bf16 weights (lp=True) halve the bytes
-  read per token; x, h, c and the accumulators stay fp32.
+  bf16 weights (lp=True) halve the bytes read per token; on a CPU with AVX512-BF16 their
+  products take x rounded to bf16 (vdpbf16ps, as bf16 training's matmuls do), elsewhere
+  the weights are widened exactly to fp32. h, c and the accumulators stay fp32. Streams
+  are taken several at a time per weight tile (4 with AVX-512), each summed in the same
+  order whatever the batch, so one stream's logits do not depend on the others.
 - "cpp" (CPU, compiled extension): per layer a torch multiply for the recurrence and one
   call of the compiled element-wise step (`forward_step`). It runs fp64 models, and
   `zlm compress` records and replays it.

@@ -18,7 +18,7 @@ version, instruction set and a hash of the sources and flags:
         zlm_cpu_<torch>_<isa>_<source hash>/      one build directory per key
 
 The instruction set is chosen from the CPU's flags and passed explicitly (`-mavx2 -mfma`,
-or `-mavx512f ...`), never `-march=native`, so a cache shared by machines with different
+or `-mavx512f ...`, with `-mavx512bf16` where the CPU has it), never `-march=native`, so a cache shared by machines with different
 CPUs cannot hand one of them code it cannot run: each ISA has its own key.
 
 First use reports "compiling ..." and then how long it took through `on_event` (a
@@ -48,8 +48,10 @@ log = logging.getLogger("zlm.ext")
 SOURCE_DIR = Path(__file__).with_name("csrc")
 SOURCES = ("cell_steps.cpp", "mask_draw.cpp", "decoder.cpp", "module.cpp")  # compiled, in SOURCE_DIR
 HEADERS = ("kernels.h",)  # included by them
+_AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mavx2"]
 _ISA_FLAGS = {
-    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mavx2"],
+    "avx512bf16": [*_AVX512, "-mavx512bf16"],  # the Decoder's bf16 dot products (decoder.cpp)
+    "avx512": _AVX512,
     "avx2": ["-mavx2", "-mfma"],
     "base": [],
 }
@@ -67,10 +69,11 @@ def cpu_flags() -> set[str]:
 
 
 def instruction_set(flags: set[str] | None = None) -> str:
-    """'avx512', 'avx2' or 'base': the widest set both this CPU and the flags above cover."""
+    """'avx512bf16', 'avx512', 'avx2' or 'base': the widest set both this CPU and the flags
+    above cover."""
     flags = cpu_flags() if flags is None else flags
     if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"} <= flags:
-        return "avx512"
+        return "avx512bf16" if "avx512_bf16" in flags else "avx512"
     if {"avx2", "fma"} <= flags:
         return "avx2"
     return "base"

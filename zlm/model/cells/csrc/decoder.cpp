@@ -1,17 +1,32 @@
-// Single-token decoding for `zlm sample`: the whole-model `Decoder` and the token `draw`.
+// Single-token decoding for `zlm sample` and `zlm serve`: the whole-model `Decoder` and the
+// token `draw`.
 //
 // `Decoder` steps a whole model (all layers, then the decoder) for one token per stream in
-// ONE call: what `zlm sample` runs per character. Weights are packed once (by
-// zlm/inference/stepper.py) into "tiles": a right operand W (K, N) of y = x W becomes
-// ceil(N/kTile) tiles of (K, kTile), each contiguous, so a tile's product streams memory in
-// order. The 4H gate columns are interleaved: tile t holds the pre-activations i, f, g, o of
-// units kUnits t .. kUnits (t+1) - 1 (kUnits columns each), so the thread that finishes a
-// tile's product does the element-wise step of its units at once (no second pass, no
-// barrier). W is fp32, or bf16 (read as uint16, widened exactly to fp32); x, the
-// accumulators, h, c and gates are fp32. Each output column is summed by one thread in one
-// order, so the result does not depend on the thread count. kTile = 32 and kUnits = 8 come
+// ONE call: what `zlm sample` runs per character, and what `zlm serve` runs for all its
+// streams at once. Weights are packed once (by zlm/inference/stepper.py) into "tiles": a
+// right operand W (K, N) of y = x W becomes ceil(N/kTile) tiles of (K, kTile), each
+// contiguous, so a tile's product streams memory in order. The 4H gate columns are
+// interleaved: tile t holds the pre-activations i, f, g, o of units kUnits t .. kUnits (t+1) - 1
+// (kUnits columns each), so the thread that finishes a tile's product does the element-wise
+// step of its units at once (no second pass, no barrier). kTile = 32 and kUnits = 8 come
 // from zlm/model/cells/kernel_constants.py (-D defines, see kernels.h), which the Python
 // packing reads too.
+//
+// Streams are taken kRows at a time: the weights of a tile are loaded (and widened) once for
+// up to kRows rows, so a batch of streams costs the multiply-adds, not kRows weight reads,
+// per row. Every row is summed in the same order whatever the batch and the thread count,
+// so a stream's result does not depend on what else is stepped with it (`zlm serve` relies on
+// this: a request's text equals `zlm sample --seed`'s).
+//
+// The products, by what the build has (`decoder_kernel()` names it):
+// - "avx512-bf16dot" (AVX512-BF16, bf16 weights): x is rounded to bf16 once per row and the
+//   tiles are re-laid as pairs of k ((K/2, kTile, 2), at construction), so one vdpbf16ps adds
+//   two products per column; accumulators fp32. This is what bf16 training computes too
+//   (autocast rounds the matmul's input to bf16).
+// - "avx512" (fp32 weights, or bf16 widened exactly to fp32): kRows = 4 rows, two
+//   accumulators per row and column half (even and odd k).
+// - "avx2": one row at a time, 8 accumulators (even and odd k). "portable": plain loops.
+// h, c, the gates and the decoder's logits are fp32 in every case.
 
 #include "kernels.h"
 
@@ -24,12 +39,129 @@
 #endif
 
 #include <algorithm>
+#include <type_traits>
 
 namespace zlm {
 namespace {
 
-// acc[0..32) += x[0..K) . w (K, 32): two accumulator sets (even and odd k) for ILP.
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+constexpr bool kPairs = true;  // bf16 weights use the pair layout and vdpbf16ps
+#else
+constexpr bool kPairs = false;
+#endif
+
+#if defined(__AVX512F__)
+constexpr int kRows = 4;
+static_assert(kTile == 32, "the AVX-512 tile product holds a row's tile in two 16-float registers");
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {  // 16 bf16 -> 16 fp32 (exact: the bits shifted up)
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+// acc[r][0..32) += x_r[0..K) . w (K, 32) for R rows, x_r = x + r xs. Per row four
+// accumulators: two column halves x (even k, odd k), added at the end.
+template <typename W, int R>
+inline void rows_product(const float* x, int64_t xs, const W* w, int64_t K, float* acc) {
+  __m512 a[R][4];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    a[r][0] = _mm512_loadu_ps(acc + r * kTile);
+    a[r][1] = _mm512_loadu_ps(acc + r * kTile + 16);
+    a[r][2] = _mm512_setzero_ps();
+    a[r][3] = _mm512_setzero_ps();
+  }
+  int64_t k = 0;
+  for (; k + 1 < K; k += 2) {
+    const W* w0 = w + k * kTile;
+    const __m512 v0 = load16(w0), v1 = load16(w0 + 16), v2 = load16(w0 + 32), v3 = load16(w0 + 48);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 x0 = _mm512_set1_ps(x[r * xs + k]), x1 = _mm512_set1_ps(x[r * xs + k + 1]);
+      a[r][0] = _mm512_fmadd_ps(x0, v0, a[r][0]);
+      a[r][1] = _mm512_fmadd_ps(x0, v1, a[r][1]);
+      a[r][2] = _mm512_fmadd_ps(x1, v2, a[r][2]);
+      a[r][3] = _mm512_fmadd_ps(x1, v3, a[r][3]);
+    }
+  }
+  if (k < K) {
+    const W* w0 = w + k * kTile;
+    const __m512 v0 = load16(w0), v1 = load16(w0 + 16);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 x0 = _mm512_set1_ps(x[r * xs + k]);
+      a[r][0] = _mm512_fmadd_ps(x0, v0, a[r][0]);
+      a[r][1] = _mm512_fmadd_ps(x0, v1, a[r][1]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(acc + r * kTile, _mm512_add_ps(a[r][0], a[r][2]));
+    _mm512_storeu_ps(acc + r * kTile + 16, _mm512_add_ps(a[r][1], a[r][3]));
+  }
+}
+
+#if defined(__AVX512BF16__)
+// The pair layout: acc[r][0..32) += x_r . w for R rows, x_r = xp + r xs: P pairs of bf16
+// (x[2p] low, x[2p+1] high) as uint32; w (P, 32, 2) bf16: for pair p and column j,
+// w[2p][j] then w[2p+1][j]. Per row four accumulators: two column halves x (even p, odd p).
+template <int R>
+inline void rows_dot(const uint32_t* xp, int64_t xs, const uint16_t* w, int64_t P, float* acc) {
+  __m512 a[R][4];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    a[r][0] = _mm512_loadu_ps(acc + r * kTile);
+    a[r][1] = _mm512_loadu_ps(acc + r * kTile + 16);
+    a[r][2] = _mm512_setzero_ps();
+    a[r][3] = _mm512_setzero_ps();
+  }
+  auto bh = [](__m512i v) { return reinterpret_cast<__m512bh&>(v); };
+  int64_t p = 0;
+  for (; p + 1 < P; p += 2) {
+    const uint16_t* w0 = w + p * 2 * kTile;
+    const __m512bh v0 = bh(_mm512_loadu_si512(w0)), v1 = bh(_mm512_loadu_si512(w0 + 32));
+    const __m512bh v2 = bh(_mm512_loadu_si512(w0 + 64)), v3 = bh(_mm512_loadu_si512(w0 + 96));
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512bh x0 = bh(_mm512_set1_epi32(static_cast<int>(xp[r * xs + p])));
+      const __m512bh x1 = bh(_mm512_set1_epi32(static_cast<int>(xp[r * xs + p + 1])));
+      a[r][0] = _mm512_dpbf16_ps(a[r][0], x0, v0);
+      a[r][1] = _mm512_dpbf16_ps(a[r][1], x0, v1);
+      a[r][2] = _mm512_dpbf16_ps(a[r][2], x1, v2);
+      a[r][3] = _mm512_dpbf16_ps(a[r][3], x1, v3);
+    }
+  }
+  if (p < P) {
+    const uint16_t* w0 = w + p * 2 * kTile;
+    const __m512bh v0 = bh(_mm512_loadu_si512(w0)), v1 = bh(_mm512_loadu_si512(w0 + 32));
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512bh x0 = bh(_mm512_set1_epi32(static_cast<int>(xp[r * xs + p])));
+      a[r][0] = _mm512_dpbf16_ps(a[r][0], x0, v0);
+      a[r][1] = _mm512_dpbf16_ps(a[r][1], x0, v1);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(acc + r * kTile, _mm512_add_ps(a[r][0], a[r][2]));
+    _mm512_storeu_ps(acc + r * kTile + 16, _mm512_add_ps(a[r][1], a[r][3]));
+  }
+}
+
+// n floats -> n bf16 (round to nearest even); the tail of a 16 is masked.
+inline void to_bf16(const float* x, int64_t n, uint16_t* out) {
+  for (int64_t k = 0; k < n; k += 16) {
+    const __mmask16 m = n - k >= 16 ? static_cast<__mmask16>(0xFFFF)
+                                    : static_cast<__mmask16>((1u << (n - k)) - 1u);
+    const __m256bh v = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, x + k));
+    _mm256_mask_storeu_epi16(out + k, m, reinterpret_cast<const __m256i&>(v));
+  }
+}
+#endif
+
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int kRows = 1;
 static_assert(kTile == 32, "the AVX2 tile product holds a tile in four 8-float registers");
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -38,8 +170,10 @@ inline __m256 load8(const uint16_t* p) {  // 8 bf16 -> 8 fp32 (exact: the bits s
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
 }
 
-template <typename W>
-inline void tile_gemv(const float* x, const W* w, int64_t K, float* acc) {
+// acc[0..32) += x[0..K) . w (K, 32): two accumulator sets (even and odd k) for ILP.
+template <typename W, int R>
+inline void rows_product(const float* x, int64_t, const W* w, int64_t K, float* acc) {
+  static_assert(R == 1, "the AVX2 product takes one row at a time");
   __m256 a0 = _mm256_loadu_ps(acc), a1 = _mm256_loadu_ps(acc + 8);
   __m256 a2 = _mm256_loadu_ps(acc + 16), a3 = _mm256_loadu_ps(acc + 24);
   __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps(), b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
@@ -70,8 +204,11 @@ inline void tile_gemv(const float* x, const W* w, int64_t K, float* acc) {
   _mm256_storeu_ps(acc + 24, _mm256_add_ps(a3, b3));
 }
 #else  // portable: the compiler vectorises the 32-wide inner loops
-template <typename W>
-inline void tile_gemv(const float* x, const W* w, int64_t K, float* acc) {
+constexpr int kRows = 1;
+
+template <typename W, int R>
+inline void rows_product(const float* x, int64_t, const W* w, int64_t K, float* acc) {
+  static_assert(R == 1, "the portable product takes one row at a time");
   float a0[kTile], a1[kTile];
   for (int64_t j = 0; j < kTile; ++j) { a0[j] = acc[j]; a1[j] = 0.0f; }
   int64_t k = 0;
@@ -95,11 +232,52 @@ inline void tile_gemv(const float* x, const W* w, int64_t K, float* acc) {
 }
 #endif
 
+// f(std::integral_constant<int, r>) for r in 1 .. kRows: the row count as a template argument.
+template <typename F>
+inline void with_rows(int r, F&& f) {
+  switch (r) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+#if defined(__AVX512F__)
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+#endif
+    default: TORCH_CHECK(false, "Decoder: ", r, " rows at once");
+  }
+}
+static_assert(kRows <= 4, "with_rows covers up to 4 rows");
+
 inline int64_t split_grain(int64_t tiles, int64_t threads) {
   return threads <= 1 ? std::max<int64_t>(tiles, 1) : std::max<int64_t>(1, (tiles + threads - 1) / threads);
 }
 
+// (tiles, K, kTile) bf16 -> (tiles, ceil(K/2), kTile, 2): k 2p and 2p+1 of a column side by side
+// (a zero for the k past an odd K).
+at::Tensor pair_tiles(const at::Tensor& w) {
+  const int64_t tiles = w.size(0), K = w.size(1), P = (K + 1) / 2;
+  at::Tensor out = at::zeros({tiles, P, kTile, 2}, w.options());
+  const uint16_t* src = ptr<uint16_t>(w);
+  uint16_t* dst = ptr<uint16_t>(out);
+  for (int64_t t = 0; t < tiles; ++t)
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t j = 0; j < kTile; ++j)
+        dst[((t * P + k / 2) * kTile + j) * 2 + (k & 1)] = src[(t * K + k) * kTile + j];
+  return out;
+}
+
 }  // namespace
+
+const char* decoder_kernel() {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  return "avx512-bf16dot";
+#elif defined(__AVX512F__)
+  return "avx512";
+#elif defined(__AVX2__) && defined(__FMA__)
+  return "avx2";
+#else
+  return "portable";
+#endif
+}
 
 Decoder::Decoder(at::Tensor table_, std::vector<at::Tensor> w_, std::vector<at::Tensor> bias_, at::Tensor dec_w_,
                  at::Tensor dec_b_, at::Tensor h_, at::Tensor c_, std::vector<double> kc, std::vector<double> kh,
@@ -122,6 +300,8 @@ Decoder::Decoder(at::Tensor table_, std::vector<at::Tensor> w_, std::vector<at::
                 w[l].size(1) == (l == 0 ? H : 2 * H) && w[l].size(2) == kTile, "Decoder: weight tiles");
     TORCH_CHECK(l == 0 || (bias[l].is_contiguous() && bias[l].numel() == tiles * kTile &&
                            bias[l].scalar_type() == at::kFloat), "Decoder: bias (Np,) fp32");
+    depth.push_back(w[l].size(1));
+    if (kPairs && wt == at::kBFloat16) w[l] = pair_tiles(w[l]);
   }
   const int64_t V = dec_b.numel();
   TORCH_CHECK(dec_w.is_contiguous() && dec_w.scalar_type() == at::kFloat && dec_w.dim() == 3 &&
@@ -130,12 +310,13 @@ Decoder::Decoder(at::Tensor table_, std::vector<at::Tensor> w_, std::vector<at::
   TORCH_CHECK(dec_b.is_contiguous() && dec_b.scalar_type() == at::kFloat, "Decoder: decoder bias fp32");
   xcat = at::zeros({B, 2 * H}, h.options());
   hnew = at::empty({B, H}, h.options());
+  xbf = at::zeros({B, 2 * H + 2}, h.options().dtype(at::kBFloat16));  // x as bf16 pairs (pair layout)
 }
 
 // One layer: pre = init + x W over every tile, then the element-wise step of its units.
 template <typename W>
 void Decoder::layer(int64_t l, const int64_t* tok) {
-  const int64_t B = h.size(1), H = h.size(2), tiles = w[l].size(0), K = w[l].size(1);
+  const int64_t B = h.size(1), H = h.size(2), tiles = w[l].size(0), K = depth[l];
   const int64_t Np = tiles * kTile;
   const W* wp = reinterpret_cast<const W*>(w[l].data_ptr());
   const float* x = l == 0 ? h[0].data_ptr<float>() : xcat.data_ptr<float>();
@@ -145,27 +326,57 @@ void Decoder::layer(int64_t l, const int64_t* tok) {
   float* cp = c[l].data_ptr<float>();
   float* hn = hnew.data_ptr<float>();
   const float zc = static_cast<float>(keep_c[l]), zh = static_cast<float>(keep_h[l]);
+  const bool pairs = kPairs && std::is_same<W, uint16_t>::value;
+  const int64_t P = (K + 1) / 2, ps = xbf.size(1) / 2;  // pairs per row of x, row stride in pairs
+  const uint32_t* xp = reinterpret_cast<const uint32_t*>(xbf.data_ptr());
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  if (pairs) {  // x rounded to bf16 once per row (a zero after an odd K)
+    uint16_t* xb = ptr<uint16_t>(xbf);
+    for (int64_t b = 0; b < B; ++b) {
+      to_bf16(x + b * xs, K, xb + b * 2 * ps);
+      if (K & 1) xb[b * 2 * ps + K] = 0;
+    }
+  }
+#endif
   at::parallel_for(0, tiles, split_grain(tiles, threads), [&](int64_t t0, int64_t t1) {
-    float acc[kTile];
+    float acc[kRows * kTile];
     for (int64_t t = t0; t < t1; ++t) {
-      for (int64_t b = 0; b < B; ++b) {
-        const float* src = init + (l == 0 ? tok[b] * Np : 0) + t * kTile;
-        for (int64_t j = 0; j < kTile; ++j) acc[j] = src[j];
-        tile_gemv<W>(x + b * xs, wp + t * K * kTile, K, acc);
+      for (int64_t b0 = 0; b0 < B; b0 += kRows) {
+        const int r = static_cast<int>(std::min<int64_t>(kRows, B - b0));
+        for (int i = 0; i < r; ++i) {
+          const float* src = init + (l == 0 ? tok[b0 + i] * Np : 0) + t * kTile;
+          std::memcpy(acc + i * kTile, src, sizeof(float) * kTile);
+        }
+        with_rows(r, [&](auto R) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+          if (pairs) {
+            rows_dot<decltype(R)::value>(xp + b0 * ps, ps, reinterpret_cast<const uint16_t*>(wp) + t * P * 2 * kTile,
+                                         P, acc);
+            return;
+          }
+#endif
+          rows_product<W, decltype(R)::value>(x + b0 * xs, xs, wp + t * K * kTile, K, acc);
+        });
         const int64_t u0 = t * kUnits, n = std::min<int64_t>(kUnits, H - u0);
-        for (int64_t u = 0; u < n; ++u) {
-          const float i = sigm(acc[u]), f = sigm(acc[kUnits + u]);
-          const float g = tanh_(acc[2 * kUnits + u]), o = sigm(acc[3 * kUnits + u]);
-          const int64_t s = b * H + u0 + u;
-          const float cprev = cp[s];
-          const float ct = f * cprev + i * g;
-          const float ht = o * tanh_(ct);
-          cp[s] = ct + zc * (cprev - ct);
-          hn[s] = ht + zh * (hp[s] - ht);
+        for (int i = 0; i < r; ++i) {
+          const float* a = acc + i * kTile;
+          const int64_t b = b0 + i;
+          for (int64_t u = 0; u < n; ++u) {
+            const float ig = sigm(a[u]), f = sigm(a[kUnits + u]);
+            const float g = tanh_(a[2 * kUnits + u]), o = sigm(a[3 * kUnits + u]);
+            const int64_t s = b * H + u0 + u;
+            const float cprev = cp[s];
+            const float ct = f * cprev + ig * g;
+            const float ht = o * tanh_(ct);
+            cp[s] = ct + zc * (cprev - ct);
+            hn[s] = ht + zh * (hp[s] - ht);
+          }
         }
       }
     }
   });
+  (void)xp;
+  (void)P;
   std::memcpy(hp, hn, sizeof(float) * B * H);
 }
 
@@ -197,15 +408,19 @@ void Decoder::step(const at::Tensor& tok, const at::Tensor& logits) {
   const float* dw = dec_w.data_ptr<float>();
   const float* db = dec_b.data_ptr<float>();
   float* out = logits.data_ptr<float>();
-  const int64_t work = H * vt * kTile;  // below 64K weights one thread: waking a second costs more
+  const int64_t work = H * vt * kTile * B;  // below 64K multiply-adds one thread: waking a second costs more
   at::parallel_for(0, vt, work < 65536 ? vt : split_grain(vt, threads), [&](int64_t t0, int64_t t1) {
-    float acc[kTile];
+    float acc[kRows * kTile];
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t j0 = t * kTile, n = std::min<int64_t>(kTile, V - j0);
-      for (int64_t b = 0; b < B; ++b) {
-        for (int64_t j = 0; j < kTile; ++j) acc[j] = j < n ? db[j0 + j] : 0.0f;
-        tile_gemv<float>(top + b * H, dw + t * H * kTile, H, acc);
-        std::memcpy(out + b * V + j0, acc, sizeof(float) * n);
+      for (int64_t b0 = 0; b0 < B; b0 += kRows) {
+        const int r = static_cast<int>(std::min<int64_t>(kRows, B - b0));
+        for (int i = 0; i < r; ++i)
+          for (int64_t j = 0; j < kTile; ++j) acc[i * kTile + j] = j < n ? db[j0 + j] : 0.0f;
+        with_rows(r, [&](auto R) {
+          rows_product<float, decltype(R)::value>(top + b0 * H, H, dw + t * H * kTile, H, acc);
+        });
+        for (int i = 0; i < r; ++i) std::memcpy(out + (b0 + i) * V + j0, acc + i * kTile, sizeof(float) * n);
       }
     }
   });

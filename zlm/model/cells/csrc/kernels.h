@@ -128,6 +128,9 @@ static_assert(kTile == 4 * kUnits, "a tile holds the four gates of its units");
 
 void draw(const at::Tensor& x, const at::Tensor& u, double inv_t, bool log, const at::Tensor& out);
 
+// The Decoder's product as built: "avx512-bf16dot", "avx512", "avx2" or "portable" (decoder.cpp).
+const char* decoder_kernel();
+
 // One token per stream through every layer and the decoder, in one call (decoder.cpp).
 struct Decoder {
   at::Tensor table;              // (V_in, Np) fp32: E W_ih^T + b of layer 0, interleaved columns
@@ -138,7 +141,9 @@ struct Decoder {
   at::Tensor h, c;               // (L, B, H) fp32, the state, updated in place
   std::vector<double> keep_c, keep_h;
   int64_t threads;
+  std::vector<int64_t> depth;    // per layer K_l (the tiles of bf16 weights may be re-laid in pairs of k)
   at::Tensor xcat, hnew;         // scratch: (B, 2H) [input, h_prev], (B, H) the new h
+  at::Tensor xbf;                // scratch: (B, 2H + 2) bf16, x rounded for the pair layout
 
   Decoder(at::Tensor table_, std::vector<at::Tensor> w_, std::vector<at::Tensor> bias_, at::Tensor dec_w_,
           at::Tensor dec_b_, at::Tensor h_, at::Tensor c_, std::vector<double> kc, std::vector<double> kh,

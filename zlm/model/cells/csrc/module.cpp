@@ -18,6 +18,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_pair", &zlm::bf16_pair, "fp32 (N, K) -> bf16 (N, K) and its transpose (K, N), in one pass");
   m.def("draw_mask", &zlm::draw_mask, "a zoneout keep mask of the mix16 draw (masks.py)");
   m.def("draw", &zlm::draw, "one token per row by inverse CDF (sampling)");
+  m.def("decoder_kernel", &zlm::decoder_kernel, "the Decoder's product as built (decoder.cpp)");
   pybind11::dict constants;  // as compiled: kernel_constants.CONSTANTS, read back by the tests
   constants["DECODER_TILE"] = ZLM_DECODER_TILE;
   constants["DECODER_UNITS"] = ZLM_DECODER_UNITS;
