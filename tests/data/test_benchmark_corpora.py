@@ -3,6 +3,7 @@ checks that fail in one line, idempotent fetching. No network: packages are fake
 
 from __future__ import annotations
 
+import gzip
 import json
 import struct
 import zlib
@@ -67,6 +68,75 @@ def test_files_rule_errors_are_one_line(tmp_path):
         bm.assemble(tmp_path, {**rule, "suffix": ".rst.txt"})
     with pytest.raises(DataError, match="assemble method"):
         bm.assemble(tmp_path, {"method": "zip"})
+
+
+def fake_man(root):
+    """A man-page tree as manpages-dev ships it: gzipped troff, aliases as symbolic links,
+    a dictzip-like file (gzip with an extra header field) in another folder."""
+    man = root / "usr/share/man"
+    write(man / "man3" / "puts.3.gz", gzip.compress(b'.TH PUTS 3\n.SH NAME\nputs \\- output\n', mtime=0))
+    write(man / "man2" / "write.2.gz", gzip.compress(b".TH WRITE 2\r\n.B write\n", mtime=0))
+    write(man / "man2" / "zero.2.gz", gzip.compress(b"no newline", mtime=0))
+    (man / "man3" / "fputs.3.gz").symlink_to("puts.3.gz")
+    write(man / "man2" / "README", "not a page\n")
+    # gzip header with FEXTRA (dictzip keeps its chunk index there); members concatenated.
+    member = gzip.compress("entry\n  définition\n".encode(), mtime=0)
+    extra = b"RA" + struct.pack("<H", 2) + b"\x00\x00"
+    dz = member[:3] + bytes([member[3] | 4]) + member[4:10] + struct.pack("<H", len(extra)) \
+        + extra + member[10:]
+    write(root / "usr/share/dictd" / "x.dict.dz", dz + gzip.compress(b"second member\n", mtime=0))
+    return {"method": "files", "root": "usr/share/man", "suffix": ".gz", "decompress": "gzip"}
+
+
+def test_files_rule_decompresses_gzip(tmp_path):
+    rule = fake_man(tmp_path)
+    assert bm.source_files(tmp_path, rule) == [  # the package's names, .gz kept; links skipped
+        "usr/share/man/man2/write.2.gz", "usr/share/man/man2/zero.2.gz",
+        "usr/share/man/man3/puts.3.gz"]
+    text = bm.assemble(tmp_path, rule)
+    assert text == ".TH WRITE 2\n.B write\nno newline\n.TH PUTS 3\n.SH NAME\nputs \\- output\n"
+    assert bm.assemble(tmp_path, rule) == text
+    dz = {"method": "files", "root": "usr/share/dictd", "suffix": ".dict.dz", "decompress": "gzip"}
+    assert bm.assemble(tmp_path, dz) == "entry\n  définition\nsecond member\n"
+    # Without "decompress" the same files are read as they are: gzip is not UTF-8.
+    with pytest.raises(DataError, match="not UTF-8"):
+        bm.assemble(tmp_path, {**rule, "decompress": None})
+
+
+def test_decompress_errors_are_one_line_and_name_the_file(tmp_path):
+    rule = fake_man(tmp_path)
+    write(tmp_path / "usr/share/man/man2/plain.2.gz", ".TH PLAIN 2\n")  # not gzip
+    with pytest.raises(DataError, match=r"^usr/share/man/man2/plain\.2\.gz: not gzip data") as e:
+        bm.assemble(tmp_path, rule)
+    assert "\n" not in str(e.value)
+    (tmp_path / "usr/share/man/man2/plain.2.gz").unlink()
+    write(tmp_path / "usr/share/man/man2/cut.2.gz", gzip.compress(b".TH CUT 2\n")[:-6])  # truncated
+    with pytest.raises(DataError, match=r"man2/cut\.2\.gz: not gzip data") as e:
+        bm.assemble(tmp_path, rule)
+    assert "\n" not in str(e.value)
+    (tmp_path / "usr/share/man/man2/cut.2.gz").unlink()
+    write(tmp_path / "usr/share/man/man3/bad.3.gz", gzip.compress(b".TH caf\xe9\n"))
+    with pytest.raises(DataError, match=r"^usr/share/man/man3/bad\.3\.gz: not UTF-8 at byte 7") as e:
+        bm.assemble(tmp_path, rule)
+    assert "\n" not in str(e.value)
+    with pytest.raises(DataError, match="decompress 'xz'; use gzip"):
+        bm.assemble(tmp_path, {**rule, "decompress": "xz"})
+    with pytest.raises(DataError, match="assemble option 'gunzip' of method files"):
+        bm.assemble(tmp_path, {**rule, "gunzip": True})
+
+
+def test_strip_ansi_removes_colour_sequences(tmp_path):
+    base = tmp_path / "usr/share/games/fortunes"
+    write(base / "tang", "\x1b[32m《静夜思》\x1b[m\n\x1b[33m作者：李白\x1b[m\n床前明月光\n%\n")
+    write(base / "tang.dat", b"\x00\x02")
+    # A sequence split by another: removed until none is left, the text kept whole.
+    write(base / "zh", "通过\x1b[35;1m“~/.bashrc”\x1b[;\x1b[34;1mm来定制\n")
+    rule = {"method": "files", "root": "usr/share/games/fortunes", "exclude_suffixes": [".dat"],
+            "strip_ansi": True}
+    text = bm.assemble(tmp_path, rule)
+    assert text == "《静夜思》\n作者：李白\n床前明月光\n%\n通过“~/.bashrc”来定制\n"
+    assert "\x1b" in bm.assemble(tmp_path, {**rule, "strip_ansi": False})
+    assert bm.strip_ansi("a\x1b[0;1mb\x1b[mc [m d") == "abc [m d"  # only ESC [ ... m goes
 
 
 def test_sword_module_decodes_to_plain_lines(tmp_path):

@@ -2,13 +2,15 @@
 
 Owns the meaning of benchmark.json and `fetch_corpora(out)`, the library behind
 `scripts/fetch-corpora OUT_DIR`. Each corpus is one kind of text (drama/verse, prose,
-source code, technical documentation, a language other than English) made from material
-reachable without the open web:
+source code, technical documentation, markup, a dictionary, languages other than English)
+made from material reachable without the open web:
 
 - "deb": a Debian package at a pinned version, fetched with `apt-get download PKG=VERSION`,
   its .deb checked against the pinned SHA-256, unpacked with `dpkg-deb -x`, and its text
-  assembled by a rule ("files": every file under a folder, sorted by relative path;
-  "sword": a SWORD zText/zCom module decoded and its OSIS markup turned into plain lines);
+  assembled by a rule ("files": every file under a folder, sorted by relative path,
+  filtered by suffix, optionally gunzipped - man pages, dictd's .dict.dz - and stripped of
+  ANSI colour sequences, see `assemble_files`; "sword": a SWORD zText/zCom module decoded
+  and its OSIS markup turned into plain lines);
 - "repo": a text shipped in this repository (`repo_file`: tiny Shakespeare, which the
   tests read), else the catalog corpus of that name (mirror, cache);
 - "builtin": zlm's own `stdlib` corpus (the running Python's sources), used by name.
@@ -22,6 +24,7 @@ characters and bytes, its vocabulary and its license.
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import hashlib
 import json
 import os
@@ -29,6 +32,7 @@ import pathlib
 import re
 import subprocess
 import tempfile
+import zlib
 from collections.abc import Callable
 from importlib import resources
 
@@ -118,10 +122,17 @@ def decode_utf8(data: bytes, where: str) -> str:
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
+FILES_OPTIONS = ("method", "root", "suffix", "exclude_suffixes", "decompress", "strip_ansi")
+DECOMPRESS = ("gzip",)
+# An ANSI SGR (colour) sequence: ESC [ parameters m (fortunes-zh colours its titles).
+ANSI_SGR = re.compile(r"\x1b\[[0-9;]*m")
+
+
 def rule_files(root: pathlib.Path, rule: dict) -> list[pathlib.Path]:
     """The files a "files" rule reads: under root/rule["root"], sorted by relative path
     (the order of its parts, not of the platform's directory listing), filtered by
-    "suffix" and "exclude_suffixes"; symbolic links skipped (fortune's .u8 aliases)."""
+    "suffix" and "exclude_suffixes" (on the file's name as the package has it, .gz
+    included); symbolic links skipped (fortune's .u8 aliases, man page aliases)."""
     base = root / rule["root"]
     if not base.is_dir():
         raise DataError(f"{rule['root']} is not a folder of the unpacked package; the package "
@@ -141,12 +152,60 @@ def rule_files(root: pathlib.Path, rule: dict) -> list[pathlib.Path]:
     return sorted(found, key=lambda p: p.relative_to(base).parts)
 
 
+def check_files_rule(rule: dict) -> None:
+    """A DataError for an option a "files" rule does not have, or a value it cannot take."""
+    unknown = sorted(set(rule) - set(FILES_OPTIONS))
+    if unknown:
+        raise DataError(f"benchmark.json: assemble option {unknown[0]!r} of method files; use "
+                        f"some of {', '.join(FILES_OPTIONS[1:])}")
+    if rule.get("decompress") not in (None, *DECOMPRESS):
+        raise DataError(f"benchmark.json: decompress {rule['decompress']!r}; use "
+                        f"{' or '.join(DECOMPRESS)}")
+
+
+def gunzip(data: bytes, where: str) -> bytes:
+    """A gzip file's contents (every member; a dictzip .dz is gzip with an index in its
+    header); a DataError naming the file when it is not gzip."""
+    try:
+        return gzip.decompress(data)
+    except (OSError, EOFError, zlib.error) as e:
+        raise DataError(f"{where}: not gzip data ({e}); the package is not the pinned "
+                        "one") from None
+
+
+def strip_ansi(text: str) -> str:
+    """`text` without ANSI SGR sequences, removed until none is left (one split by
+    another, as in `ESC[;ESC[34;1mm`, goes too)."""
+    while True:
+        stripped = ANSI_SGR.sub("", text)
+        if stripped == text:
+            return text
+        text = stripped
+
+
+def file_text(root: pathlib.Path, path: pathlib.Path, rule: dict) -> str:
+    """One file of a "files" rule as text: gunzipped when the rule says "decompress":
+    "gzip", strict UTF-8 (`decode_utf8`), ANSI colours dropped when "strip_ansi"."""
+    where = path.relative_to(root).as_posix()
+    data = path.read_bytes()
+    if rule.get("decompress") == "gzip":
+        data = gunzip(data, where)
+    text = decode_utf8(data, where)
+    return strip_ansi(text) if rule.get("strip_ansi") else text
+
+
 def assemble_files(root: pathlib.Path, rule: dict) -> str:
     """Every file of the rule, in order, each ending with exactly the newline it has
-    (one added where the file lacks it); nothing else between files."""
+    (one added where the file lacks it); nothing else between files.
+
+    Options besides "root": "suffix" (only names ending so), "exclude_suffixes" (a list;
+    names ending so are left out), "decompress": "gzip" (every file read is gzip - man
+    pages' .gz, dictd's dictzip .dict.dz - and its contents are the text), "strip_ansi":
+    true (ANSI SGR colour sequences removed from each file's text)."""
+    check_files_rule(rule)
     parts = []
     for p in rule_files(root, rule):
-        text = decode_utf8(p.read_bytes(), str(p.relative_to(root)))
+        text = file_text(root, p, rule)
         parts.append(text if text.endswith("\n") or not text else text + "\n")
     if not parts:
         raise DataError(f"no files under {rule['root']} match the rule; the package is not "
