@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import struct
 import zlib
 
@@ -235,6 +236,28 @@ def test_shipped_benchmark_set():
         [n for n in names if n in ("stdlib", "tinyshakespeare")]
     with pytest.raises(UsageError, match="--only nope: no such benchmark corpus"):
         bm.select(corpora, "nope")
+
+
+HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+def test_shipped_set_covers_the_kinds_of_text():
+    corpora = bm.load_benchmark()
+    assert len(corpora) >= 8 and len({c.name for c in corpora}) == len(corpora)
+    for c in corpora:
+        if c.source["type"] == "deb":
+            assert HEX64.fullmatch(c.source["sha256"]), c.name
+            assert HEX64.fullmatch(c.text["sha256"]), c.name
+            assert c.text["bytes"] >= c.text["characters"] > 0 and c.text["vocabulary"] > 0
+            assert c.text["bytes"] <= 60_000_000, c.name  # a benchmark text, not a dump
+            if c.assemble["method"] == "files":
+                bm.check_files_rule(c.assemble)  # only options the rule knows
+    kinds = [c.kind for c in corpora]
+    assert any(k.startswith("dictionary") for k in kinds)
+    assert any(k.startswith("markup") for k in kinds)
+    assert any(k.startswith("source code") and "Python" not in k for k in kinds)
+    cjk = [c for c in corpora if re.search(r"Chinese|Japanese|Korean", c.kind)]
+    assert cjk and all(c.text["vocabulary"] >= 1000 for c in cjk)  # thousands of symbols
 
 
 def test_corpus_source(tmp_path, monkeypatch):
