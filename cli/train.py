@@ -17,7 +17,8 @@ import typer
 
 from zlm.cli.render import handle_errors
 from zlm.core.config import Options, parse_duration
-from zlm.training.defaults import REGIMES, RULED
+from zlm.training.defaults import (AVERAGE_SHARE, REGIMES, RULED, ZONEOUT_CELL, ZONEOUT_FROM, ZONEOUT_FULL,
+                                   ZONEOUT_HIDDEN)
 from zlm.training.presets import get_preset
 
 H_MODEL, H_TRAIN, H_RUN = "Model", "Training", "Run"
@@ -41,6 +42,12 @@ def _default(name: str) -> str:
         rule = "the largest that trains on 10+ tokens per parameter, by corpus size and measured speed"
     elif name == "eval_every":
         rule = "about 6 validations per run"
+    elif name in ("zoneout_cell", "zoneout_hidden"):
+        full = ZONEOUT_CELL if name == "zoneout_cell" else ZONEOUT_HIDDEN
+        rule = (f"0 up to {ZONEOUT_FROM:g} expected passes, rising with log passes to {full:g} "
+                f"at {ZONEOUT_FULL:g} and more")
+    elif name == "average":
+        rule = f"{AVERAGE_SHARE:g}"
     else:
         reg, rich = getattr(_REG, name), getattr(_RICH, name)
         rule = _fmt(reg) if reg == rich else f"{_fmt(reg)} when regularising, {_fmt(rich)} when data-rich"
@@ -95,6 +102,9 @@ def command(
                                       "state")] = None,
     reset_prob: Annotated[float | None, _opt("carry: chance that a stream's state is zeroed before a window "
                                              "(teaches starting mid-text).", H_TRAIN, "reset_prob")] = None,
+    average: Annotated[float | None, _opt("Average the weights over this last share of the run; validation "
+                                          "scores the average and best/ keeps it (0 = off; needs a run length).",
+                                          H_TRAIN, "average")] = None,
     seed: Annotated[int | None, _opt("Random seed.", H_TRAIN, "seed")] = None,
     device: Annotated[str | None, _opt("auto | cpu | cuda.", H_RUN, default="auto: cuda when available")] = None,
     precision: Annotated[str | None, _opt("auto | fp32 | bf16 | fp16.", H_RUN,
@@ -125,7 +135,7 @@ def command(
         dropout=dropout, cell=cell, batch_size=batch_size, bptt=bptt, lr=lr, optimizer=optimizer,
         weight_decay=weight_decay, clip=clip, schedule=schedule, warmup=warmup, epochs=epochs,
         max_steps=max_steps, time_budget=parse_duration(time_budget) if time_budget is not None else None,
-        eval_every=eval_every, state=state, reset_prob=reset_prob, seed=seed, device=device,
+        eval_every=eval_every, state=state, reset_prob=reset_prob, average=average, seed=seed, device=device,
         precision=precision, cuda_graphs=cuda_graphs, keep_last=keep_last, log_every=log_every,
         zero=zero or None)
     _train(source, options, out=out, preset=preset, resume=resume, mirror=mirror, unknown=unknown,

@@ -47,10 +47,14 @@ def test_size_and_regime_follow_from_corpus_size_and_speed(train_tokens, speed, 
         assert tokens * p / pu < defaults.TOKENS_PER_PARAMETER * pu
     assert rule.expected_epochs == pytest.approx(tokens / train_tokens)
     s = rule.settings
-    if regime == "regularised":
+    E = rule.expected_epochs
+    if E >= defaults.ZONEOUT_FULL:
         assert (s.zoneout_cell, s.zoneout_hidden) == (0.1, 0.05)
-    else:  # nothing overfits in under two passes: the faster plain LSTM reads more
+    elif E <= defaults.ZONEOUT_FROM:  # nothing overfits in a few passes: the faster plain LSTM reads more
         assert (s.zoneout_cell, s.zoneout_hidden) == (0.0, 0.0)
+    else:  # between: some zoneout, less than full
+        assert 0.0 < s.zoneout_cell < 0.1 and s.zoneout_hidden == pytest.approx(s.zoneout_cell / 2, abs=1e-4)
+    assert s.average == defaults.AVERAGE_SHARE
     assert s.reset_prob == 0.02  # both: without resets evaluation's cold streams can fail
     assert (s.layers, s.embed, s.schedule) == (1, 64, "cosine")
     assert s.lr == (5e-3 if regime == "regularised" else 4e-3)
@@ -74,6 +78,21 @@ def test_the_regime_threshold_with_an_explicit_size(train_tokens, speed, regime)
     rule = decide(RunLength(train_tokens, time_budget=TEN_MINUTES), speed, hidden=512)
     assert rule.regime == regime and rule.settings.hidden is None  # --hidden is the user's
     assert rule.expected_epochs == pytest.approx(TEN_MINUTES * 0.9 * speed / train_tokens)
+
+
+def test_zoneout_grows_with_the_passes_without_a_cliff():
+    """z_c and z_h never fall as the expected passes rise, and 1% more passes never move
+    z_c by more than 0.003 (the rule's old cliff at 10 passes, 0 -> 0.1, is gone)."""
+    epochs = [0.1 * 1.01 ** k for k in range(1000)]  # 0.1 .. 2,000 passes
+    zc = [decide(RunLength(1_000_000, epochs=e)).settings.zoneout_cell for e in epochs]
+    zh = [decide(RunLength(1_000_000, epochs=e)).settings.zoneout_hidden for e in epochs]
+    assert all(b >= a for a, b in zip(zc, zc[1:])) and all(b >= a for a, b in zip(zh, zh[1:]))
+    assert max(b - a for a, b in zip(zc, zc[1:])) <= 0.003
+    assert zc[0] == 0.0 and zc[-1] == defaults.ZONEOUT_CELL and zh[-1] == defaults.ZONEOUT_HIDDEN
+    assert defaults.zoneout_strength(defaults.ZONEOUT_FROM) == 0.0
+    assert defaults.zoneout_strength(defaults.ZONEOUT_FULL) == 1.0
+    mid = (defaults.ZONEOUT_FROM * defaults.ZONEOUT_FULL) ** 0.5  # half way in log passes
+    assert defaults.zoneout_strength(mid) == pytest.approx(0.5)
 
 
 def test_parameter_count_is_the_models():
@@ -193,7 +212,7 @@ def test_train_prints_stores_and_resumes_with_the_rule(tmp_path, monkeypatch):
     monkeypatch.setattr(speed_probe, "probe_tokens_per_s", lambda *a, **k: 1e6)  # many passes in 2 s
     r = runner.invoke(app, ["train", str(text), "--out", str(run), "--time-budget", "2s", *TINY])
     assert r.exit_code == 0, r.output
-    assert "with the defaults rule:" in r.output and "so regularise" in r.output
+    assert "with the defaults rule:" in r.output and "zoneout at 100% of full strength" in r.output
     cfg = json.loads((run / "config.json").read_text())
     assert cfg["defaults_rule"]["regime"] == "regularised"
     assert cfg["model"]["zoneout_cell"] == 0.1 and cfg["train"]["schedule"]["kind"] == "cosine"
@@ -203,7 +222,7 @@ def test_train_prints_stores_and_resumes_with_the_rule(tmp_path, monkeypatch):
     monkeypatch.setattr(speed_probe, "probe_tokens_per_s", lambda *a, **k: 1.0)
     r = runner.invoke(app, ["train", str(text), "--out", str(run), "--time-budget", "3s", "--resume", *TINY])
     assert r.exit_code == 0, r.output
-    assert "so regularise" in r.output and "resumed from" in r.output
+    assert "zoneout at 100% of full strength" in r.output and "resumed from" in r.output
     again = json.loads((run / "config.json").read_text())
     assert again["defaults_rule"] == cfg["defaults_rule"] and again["model"] == cfg["model"]
     # An explicit --preset: no rule.

@@ -2,7 +2,9 @@
 
 tests/fixtures/plans.json holds the configs and the defaults rule's decision that
 `zlm train` planned for seven sources and option sets (the speed probe fixed at 14,000
-tokens/s) with the code before `plan` existed; the same inputs must plan the same run.
+tokens/s), first recorded with the code before `plan` existed and re-recorded on purpose
+when the rule changed (its zoneout ramp and weight averaging); the same inputs must plan
+the same run.
 """
 
 from __future__ import annotations

@@ -61,6 +61,7 @@ class TrainConfig:
     eval_streams: int = 16  # parallel streams for validation (EvalProtocol)
     state: str = "carry"  # carry: TBPTT streams, state carried | reset: paper's shuffled chunks
     reset_prob: float = 0.0  # carry: chance a stream's state is zeroed before a window
+    average: float = 0.0  # the last share of a run whose weights are averaged (0: off); needs a run length
     seed: int = 1234
     device: str = "auto"  # auto | cpu | cuda
     precision: str = "auto"  # auto | fp32 | bf16 | fp16
@@ -85,6 +86,9 @@ class TrainConfig:
             raise UsageError(f"--clip must be >= 0 (0 turns clipping off), got {self.clip}")
         if not 0.0 <= self.reset_prob < 1.0:
             raise UsageError(f"--reset-prob must be in [0, 1), got {self.reset_prob}")
+        if not 0.0 <= self.average < 1.0:
+            raise UsageError(f"--average must be in [0, 1) (the last share of the run averaged; 0 = off), "
+                             f"got {self.average}")
         for name in ("epochs", "max_steps", "time_budget"):
             v = getattr(self, name)
             if v is not None and v <= 0:
@@ -143,6 +147,7 @@ class Options:
     eval_streams: int | None = None
     state: str | None = None
     reset_prob: float | None = None
+    average: float | None = None
     seed: int | None = None
     device: str | None = None
     precision: str | None = None

@@ -22,8 +22,9 @@ class Reporter:
         """Every --log-every steps: step, epoch, train_bpc, chars_per_s, lr, elapsed, eta."""
 
     def eval(self, record: dict) -> None:
-        """After each validation: step, valid_bpc, valid_ppl, best_bpc, and train_slice_bpc
-        and gap (valid - train slice, both in eval mode) when measured."""
+        """After each validation: step, valid_bpc, valid_ppl, best_bpc, train_slice_bpc and
+        gap (valid - train slice, both in eval mode) when measured, and averaged (the steps
+        in the weight average validated, 0 before averaging starts)."""
 
     def message(self, text: str) -> None:
         """A one-line notice (resume, fallback, skipped step, checkpoint saved...)."""
@@ -65,7 +66,8 @@ class PlainReporter(Reporter):
     def eval(self, r: dict) -> None:
         self._p(
             f"eval step {r['step']} valid_bpc {r['valid_bpc']:.4f} "
-            f"valid_ppl {r['valid_ppl']:.3f} (per token) best_bpc {r['best_bpc']:.4f}"
+            + (f"(weights averaged over {r['averaged']} steps) " if r.get("averaged") else "")
+            + f"valid_ppl {r['valid_ppl']:.3f} (per token) best_bpc {r['best_bpc']:.4f}"
             + (f" gap {r['gap']:+.4f} (valid - train slice {r['train_slice_bpc']:.4f})" if r.get("gap") is not None
                else "")
         )

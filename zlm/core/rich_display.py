@@ -85,7 +85,7 @@ class RichReporter(Reporter):
             t.add_row(
                 str(r.get("step", e.get("step", ""))), f"{r.get('epoch', 0):.2f}",
                 f"{r['train_bpc']:.4f}" if "train_bpc" in r else "-",
-                f"{e['valid_bpc']:.4f}" if e else "-",
+                (f"{e['valid_bpc']:.4f}" + (" avg" if e.get("averaged") else "")) if e else "-",
                 f"{e['gap']:+.4f}" if e.get("gap") is not None else "-",
                 f"{e['valid_ppl']:.3f}" if e else "-",
                 f"{e['best_bpc']:.4f}" if e else "-",

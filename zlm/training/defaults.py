@@ -11,8 +11,12 @@ probe's tokens/s) and returns a `DefaultsRule` whose settings are typed `Options
             probed speed x parameters at PROBE_HIDDEN / parameters at H)
     E       expected passes = tokens the run buys for that size / train tokens, where a
             time budget buys budget x (1 - VALIDATION_SHARE) x tokens/s
-    E >= OVERFIT_EPOCHS   the "regularised" regime (zoneout, REGIMES below)
-    E <  OVERFIT_EPOCHS   the "data-rich" regime (no zoneout: torch's LSTM kernel)
+    zoneout grows smoothly with E, linearly in log E: none up to ZONEOUT_FROM passes
+            (torch's LSTM kernel runs then), ZONEOUT_CELL / ZONEOUT_HIDDEN from ZONEOUT_FULL
+            passes on (`zoneout_strength`): no cliff, the more passes the more regularisation
+    E >= OVERFIT_EPOCHS   the "regularised" regime's window and learning rate (REGIMES below)
+    E <  OVERFIT_EPOCHS   the "data-rich" regime's
+    average the weights over the last AVERAGE_SHARE of the run (`--average`)
     no run length         "open": the preset as it is (it may run for many epochs)
 
 On CUDA the probe times the step the run will take (graphed fused cell, the resolved
@@ -37,7 +41,12 @@ from dataclasses import dataclass, replace
 from zlm.core.config import Options
 from zlm.core.spec import DefaultsRule
 
-OVERFIT_EPOCHS = 10.0  # expected passes at or above which a run is regularised
+OVERFIT_EPOCHS = 10.0  # expected passes from which the regularised regime's window and lr are taken
+ZONEOUT_FROM = 8.0  # expected passes up to which a run has no zoneout
+ZONEOUT_FULL = 12.0  # expected passes from which it has the full ZONEOUT_CELL and ZONEOUT_HIDDEN
+ZONEOUT_CELL = 0.1  # z_c at full strength
+ZONEOUT_HIDDEN = 0.05  # z_h at full strength
+AVERAGE_SHARE = 0.25  # the last share of a run of known length whose weights are averaged
 VALIDATION_SHARE = 0.1  # the part of a time budget validation and checkpoints take
 EVALS_PER_RUN = 6  # validations in a run of known length (and one at the end)
 MIN_EVAL_EVERY = 50
@@ -55,27 +64,46 @@ class Regime:
 
     layers: int
     embed: int
-    zoneout_cell: float
-    zoneout_hidden: float
     reset_prob: float  # both regimes reset: evaluation's streams start from a zero state
     lr: float
     schedule: str
     bptt: int
 
     def options(self) -> Options:
-        return Options(layers=self.layers, embed=self.embed, zoneout_cell=self.zoneout_cell,
-                       zoneout_hidden=self.zoneout_hidden, reset_prob=self.reset_prob, lr=self.lr,
+        return Options(layers=self.layers, embed=self.embed, reset_prob=self.reset_prob, lr=self.lr,
                        schedule=self.schedule, bptt=self.bptt)
 
 
 REGIMES = {
-    "regularised": Regime(layers=1, embed=64, zoneout_cell=0.1, zoneout_hidden=0.05, reset_prob=0.02,
-                          lr=5e-3, schedule="cosine", bptt=25),
-    "data-rich": Regime(layers=1, embed=64, zoneout_cell=0.0, zoneout_hidden=0.0, reset_prob=0.02,
-                        lr=4e-3, schedule="cosine", bptt=50),
+    "regularised": Regime(layers=1, embed=64, reset_prob=0.02, lr=5e-3, schedule="cosine", bptt=25),
+    "data-rich": Regime(layers=1, embed=64, reset_prob=0.02, lr=4e-3, schedule="cosine", bptt=50),
 }
-RULED = ("hidden", *REGIMES["regularised"].options().given(), "eval_every")
+RULED = ("hidden", *REGIMES["regularised"].options().given(), "zoneout_cell", "zoneout_hidden", "average",
+         "eval_every")
 """The options the rule chooses (all others come from the preset)."""
+
+
+def probe_options() -> Options:
+    """What the speed probe times: the zoneout cell at full strength at PROBE_HIDDEN, in the
+    regularised regime's window (a run with less zoneout is as fast or faster)."""
+    return (REGIMES["regularised"].options()
+            | Options(zoneout_cell=ZONEOUT_CELL, zoneout_hidden=ZONEOUT_HIDDEN, hidden=PROBE_HIDDEN))
+
+
+def zoneout_strength(epochs: float, start: float = ZONEOUT_FROM, full: float = ZONEOUT_FULL) -> float:
+    """0 up to `start` expected passes, 1 from `full`, linear in log passes between
+    (continuous and non-decreasing in `epochs`)."""
+    if epochs <= start:
+        return 0.0
+    if epochs >= full:
+        return 1.0
+    return math.log(epochs / start) / math.log(full / start)
+
+
+def zoneout_for(epochs: float) -> Options:
+    """z_c and z_h for a run of `epochs` expected passes (rounded to 4 decimals)."""
+    k = zoneout_strength(epochs)
+    return Options(zoneout_cell=round(ZONEOUT_CELL * k, 4), zoneout_hidden=round(ZONEOUT_HIDDEN * k, 4))
 
 
 @dataclass(frozen=True)
@@ -180,7 +208,7 @@ def decide(length: RunLength, tokens_per_s: float | None = None, hidden: int | N
     size = hidden if hidden is not None else choose_hidden(length, tokens_per_s, probe_hidden)
     epochs = expected_epochs(length, tokens_per_s, size, probe_hidden)
     regime = "regularised" if epochs >= OVERFIT_EPOCHS else "data-rich"
-    settings = REGIMES[regime].options()
+    settings = REGIMES[regime].options() | zoneout_for(epochs) | Options(average=AVERAGE_SHARE)
     if length.bptt_given:
         settings = Options(**{**settings.given(), "bptt": None})
     steps = epochs * length.train_tokens / length.step_tokens(settings)
@@ -198,7 +226,7 @@ def _decide_gpu(length: RunLength, gpu: GpuSpeeds, hidden: int | None, probe_hid
                   probe_hidden)
     extra = Options(batch_size=batch, eval_streams=CUDA_EVAL_STREAMS)
     plain = gpu.plain.get(batch, 0.0)
-    if rule.regime == "data-rich" and gpu.fused[batch] >= plain:
+    if rule.settings.zoneout_cell == rule.settings.zoneout_hidden == 0.0 and gpu.fused[batch] >= plain:
         extra = extra | Options(cell="fused")  # zoneout 0, but graphed: faster than cuDNN here
     why = (f"; CUDA: batch {batch} (graphed fused cell {gpu.fused[batch]:,.0f} tokens/s, "
            f"cuDNN {plain:,.0f}{', so the fused cell' if extra.cell == 'fused' else ''})")
@@ -208,13 +236,14 @@ def _decide_gpu(length: RunLength, gpu: GpuSpeeds, hidden: int | None, probe_hid
 def _line(regime: str, epochs: float, tokens_per_s: float | None, probe_hidden: int, size: int,
           s: Options) -> str:
     speed = f" ({tokens_per_s:,.0f} tokens/s measured at 1x{probe_hidden})" if tokens_per_s else ""
-    why = (f"{epochs:.1f} epochs expected{speed}: "
-           + (f"{OVERFIT_EPOCHS:g} passes or more, so regularise" if regime == "regularised" else
-              f"under {OVERFIT_EPOCHS:g} passes, so no zoneout (the faster plain LSTM)"))
+    k = zoneout_strength(epochs)
+    why = (f"{epochs:.1f} epochs expected{speed}: zoneout at {k:.0%} of full strength"
+           + (" (none: the faster plain LSTM)" if k == 0 else "")
+           + f", the {regime} regime's window and lr")
     return (f"{why} -> {s.layers}x{size}, z_c {s.zoneout_cell:g}, z_h {s.zoneout_hidden:g}, "
             f"reset-prob {s.reset_prob:g}, lr {s.lr:g} {s.schedule} over the run, "
             + (f"bptt {s.bptt}, " if s.bptt is not None else "")
-            + f"validate every {s.eval_every} steps")
+            + f"average the last {s.average:.0%}, validate every {s.eval_every} steps")
 
 
 def needs_probe(length: RunLength) -> bool:

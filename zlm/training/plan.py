@@ -107,7 +107,7 @@ def _fresh(data: Dataset, options: Options, preset: str | Preset | None, world: 
 
 def _rule(base: Preset, data: Dataset, options: Options, world: int, rep: Reporter) -> DefaultsRule:
     """The defaults rule's decision; measures this machine's speed for a --time-budget."""
-    probe = defaults.REGIMES["regularised"].options() | Options(hidden=defaults.PROBE_HIDDEN) | options
+    probe = defaults.probe_options() | options
     model, train = probe.apply(base.model, base.train, data.vocab_size)
     length = defaults.RunLength(data.split_info("train").tokens, train.time_budget, train.epochs,
                                 train.max_steps, train.batch_size * train.bptt * world, data.vocab_size,

@@ -8,7 +8,9 @@ schedule state, the GradScaler state, every rank's RNG states (base64 of torch's
 tensors), the world size and the total number of streams.
 
 The `Checkpointer` takes the stateful parts as one mapping (each part has `state_dict()` /
-`load_state_dict()`): model, optimizer, scaler, streams, schedule, train_state, rng.
+`load_state_dict()`): model, optimizer, scaler, streams, schedule, train_state, rng; and
+the weight average (`zlm.training.averaging`), written to average.safetensors with its
+count in trainer.json once averaging has started.
 """
 
 from __future__ import annotations
@@ -88,7 +90,8 @@ Carried = tuple[torch.Tensor, torch.Tensor] | None  # this rank's (h, c), each (
 class Checkpointer:
     """Writes a run's training checkpoints (rank 0) and restores them (every rank).
 
-    parts: {"model", "optimizer", "scaler", "streams", "schedule", "train_state", "rng"}.
+    parts: {"model", "optimizer", "scaler", "streams", "schedule", "train_state", "rng"} and,
+    optionally, "average".
     """
 
     def __init__(self, run_dir: Path, config: dict, data: Dataset, par, keep_last: int):
@@ -110,19 +113,21 @@ class Checkpointer:
         if not par.is_main:
             return None
         scaler = parts["scaler"]
+        average = parts["average"].tensors() if "average" in parts else {}
         trainer = {
             **parts["train_state"].state_dict(), "world_size": par.world,
             "global_batch": parts["streams"].batch * par.world, "streams": streams_all,
             "schedule": parts["schedule"].state_dict(),
             "scaler": scaler.state_dict() if scaler.is_enabled() else None, "rng": rngs,
             "carried_state": "state.safetensors" if tensors else None,
+            "average": {"count": parts["average"].count, "file": "average.safetensors"} if average else None,
         }
         final = self.run_dir / "checkpoints" / f"step-{trainer['step']:08d}"
-        self._write(final, parts["model"], opt_state, tensors, trainer)
+        self._write(final, parts["model"], opt_state, tensors, trainer, average)
         ckpt.prune(self.run_dir, self.keep_last)
         return final
 
-    def _write(self, final: Path, model, opt_state: dict, carried: dict, trainer: dict) -> None:
+    def _write(self, final: Path, model, opt_state: dict, carried: dict, trainer: dict, average: dict) -> None:
         tmp = None
         try:
             tmp = ckpt.temp_directory(final)
@@ -132,6 +137,8 @@ class Checkpointer:
                                {"zlm.optimizer": json.dumps(opt_meta)})
             if carried:
                 ckpt.write_tensors(tmp / "state.safetensors", carried)
+            if average:
+                ckpt.write_tensors(tmp / "average.safetensors", average)
             ckpt.write_json(tmp / "trainer.json", trainer)
             ckpt.write_json(tmp / "config.json", self.config)
             self.data.copy_description(tmp)
@@ -178,6 +185,9 @@ class Checkpointer:
                  f"hidden state and optimizer continue exactly; dropout/zoneout masks are drawn afresh")
         parts["train_state"].load_state_dict(trainer)
         parts["train_state"].last_good = str(path)
+        if trainer.get("average") and "average" in parts:
+            mean, _ = ckpt.read_tensors(path / trainer["average"]["file"])
+            parts["average"].load(mean, trainer["average"]["count"])
         if not trainer.get("carried_state"):
             return None
         tensors, _ = ckpt.read_tensors(path / trainer["carried_state"])

@@ -34,6 +34,7 @@ from zlm.errors import NonFiniteError
 from zlm.model.cells.masks import mix_words
 from zlm.model.lm import State, ZoneoutLM
 from zlm.training import distributed
+from zlm.training.averaging import WeightAverage
 from zlm.training.graphs import WindowStep, graphs_unavailable_reason, resolve_graphs
 from zlm.training.init_from import load_parent_weights
 from zlm.training.plan import Plan
@@ -89,6 +90,7 @@ class Trainer:
         self.total_steps = _planned_steps(cfg, self.streams.windows_per_epoch)
         self.schedule = LRSchedule(cfg.schedule, cfg.lr, self.total_steps, cfg.time_budget)
         self.state, self.carried = TrainState(), None
+        self.average = WeightAverage(cfg.average, list(self.model.named_parameters()))
         self.pending: list[StepResult] = []  # steps whose numbers are not read yet (`_flush`)
         self.run = RunDir(self.run_dir)
         self.config = spec.to_dict()
@@ -110,7 +112,7 @@ class Trainer:
         """The stateful parts a checkpoint holds (each has state_dict / load_state_dict)."""
         return {"model": self.model, "optimizer": self.optimizer, "scaler": self.scaler,
                 "streams": self.streams, "schedule": self.schedule, "train_state": self.state,
-                "rng": RNGState(self.runtime.device)}
+                "average": self.average, "rng": RNGState(self.runtime.device)}
 
     def _load(self, latest: Path) -> Path:
         """Every part, the carried state included, from `latest`."""
@@ -130,6 +132,7 @@ class Trainer:
                 if self.done() or stop.signal is not None:
                     break
                 result = self.train_step(self.streams.next())
+                self._average()
                 self._record(result, meter)
                 if self.state.step % self.cfg.eval_every == 0:
                     self._flush(meter)
@@ -190,6 +193,27 @@ class Trainer:
         numbers = torch.stack([summed[0] / par.world, loss.float(), gnorm, finite.float()])
         return StepResult(s.step, numbers, y.numel(), lr)
 
+    def progress(self) -> float | None:
+        """How far through its length (0..1) the run is: the nearest of its step, epoch and
+        time limits (None: no limit)."""
+        s, parts = self.state, []
+        if self.total_steps:
+            parts.append(s.step / self.total_steps)
+        if self.cfg.time_budget:
+            parts.append(s.elapsed / self.cfg.time_budget)
+        return max(parts) if parts else None
+
+    def _average(self) -> None:
+        """In the last --average share of the run, this step's weights join the mean."""
+        if not self.average.wanted(self.progress()):
+            return
+        if self.average.count == 0:
+            self.rep.message(f"averaging the weights from step {self.state.step} (the last "
+                             f"{self.cfg.average:.0%} of the run): validation scores the average")
+            if self.par.is_main:
+                self.log.write("average", step=self.state.step, share=self.cfg.average)
+        self.average.add()
+
     def _place_data(self) -> tuple[str, bool]:
         """Put the training split on the device when it fits RESIDENT_SHARE of its free
         memory (every window is then one gather there); else windows are copied from
@@ -219,7 +243,12 @@ class Trainer:
         return self.carried
 
     def validate(self) -> float:
-        """Valid BPC over the whole split (all ranks); best/ is updated when it improves."""
+        """Valid BPC over the whole split (all ranks), of the averaged weights once averaging
+        has started (`--average`); best/ is updated when it improves."""
+        with self.average.applied():
+            return self._validate()
+
+    def _validate(self) -> float:
         s, vinfo = self.state, self.data.split_info("valid")
         score = evaluate_tokens(self.model, self.data.tokens("valid"), self.data.tokenizer, vinfo.characters,
                             vinfo.bytes, self.runtime, EvalProtocol(self.cfg.eval_streams), self.par.sum,
@@ -238,7 +267,8 @@ class Trainer:
             rec = {"step": s.step, "epoch": s.epoch, "valid_bpc": bpc, "valid_ppl": score.perplexity,
                    "valid_bits_per_byte": score.bits_per_byte, "best_bpc": s.best_bpc,
                    "tokens": score.tokens, "characters": score.characters,
-                   "train_slice_bpc": s.train_slice_bpc, "gap": bpc - s.train_slice_bpc}
+                   "train_slice_bpc": s.train_slice_bpc, "gap": bpc - s.train_slice_bpc,
+                   "averaged": self.average.count}
             self.log.write("eval", **rec)
             self.rep.eval(rec)
             if improved:
