@@ -3,6 +3,7 @@
     zlm recipe zoneout-ablation   the same LSTM x 4: no zoneout, z_h only, z_c only, both
     zlm recipe equal-budget       cpu-small for 10 minutes next to published CPU baselines
     zlm recipe corpora-benchmark  zlm's defaults vs a plain LSTM on every benchmark corpus
+    zlm recipe defaults-loco      the rule's zoneout chosen leave-one-corpus-out, scored held out
 
 All write OUT/results.json, OUT/results.md and curves, and continue where they stopped
 when the same command is run again.
@@ -24,13 +25,13 @@ if TYPE_CHECKING:
     from zlm.tools.recipes import RecipeResult
 
 H_MODEL, H_BUDGET = "Model and training (default: the recipe's)", "Budget"
-H_BENCH = "corpora-benchmark"
+H_BENCH = "corpora-benchmark and defaults-loco"
 
 
 @handle_errors
 def command(
     name: Annotated[str, typer.Argument(
-        help="zoneout-ablation | equal-budget | corpora-benchmark.", metavar="NAME",
+        help="zoneout-ablation | equal-budget | corpora-benchmark | defaults-loco.", metavar="NAME",
         show_default=False)],
     corpus: Annotated[str | None, typer.Option(
         help="A text file or corpus name, prepared once into OUT/data (char, 90/5/5), e.g. "
@@ -52,7 +53,7 @@ def command(
         show_default=False)] = None,
     minutes: Annotated[float | None, typer.Option(
         help="Training time per run (default: 11 for zoneout-ablation: its first run, the "
-             "others then train for as many steps; 10 for equal-budget and corpora-benchmark).",
+             "others then train for as many steps; 10 for the others).",
         rich_help_panel=H_BUDGET, show_default=False)] = None,
     max_steps: Annotated[int | None, typer.Option(
         help="A fixed number of steps per run instead of --minutes.",
@@ -106,16 +107,17 @@ def _run(name: str, reporter, sizes: dict, *, corpus, corpora, only, seeds, out,
          minutes, max_steps, lr, seed) -> RecipeResult:
     """Build the recipe's config from the options that apply to it, and run it."""
     from zlm.tools import benchmark as cb
+    from zlm.tools import loco
     from zlm.tools.recipes import RecipeConfig, run_recipe
 
-    if name == cb.NAME:
+    if name in (cb.NAME, loco.NAME):
         _refuse(name, corpus=corpus, lr=lr, seed=seed)
         config = cb.BenchmarkConfig(
             corpora=corpora, only=only, out=out, mirror=mirror, max_steps=max_steps,
             minutes=cb.DEFAULT_MINUTES if minutes is None else minutes,
             seeds=cb.DEFAULT_SEEDS if seeds is None else cb.parse_seeds(seeds),
             sizes={k: v for k, v in sizes.items() if v is not None})
-        return cb.corpora_benchmark(config, reporter)
+        return (cb.corpora_benchmark if name == cb.NAME else loco.defaults_loco)(config, reporter)
     _refuse(name, corpora=corpora, only=only, seeds=seeds)
     config = RecipeConfig(corpus=corpus or "tinyshakespeare", out=out, mirror=mirror,
                           minutes=minutes, max_steps=max_steps, lr=lr, seed=seed, **sizes)

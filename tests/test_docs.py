@@ -39,7 +39,7 @@ CHECKED_BARE = re.compile(r"[\w.-]+\.md")
 # a DATA_DIR, a command's OUT, a folder the user gives),
 RUNTIME_ROOTS = {"runs", "RUN_DIR", "DATA_DIR", "OUT", "OUT_DIR", "DIR"}
 # these files (a recipe's OUT/results.md; scripts/gpu-check's OUT/table*.md; the screenshot's temporary name),
-RUNTIME_FILES = {"results.md", "table.md", "table-quality.md", "docs/score.png.tmp"}
+RUNTIME_FILES = {"results.md", "table.md", "table-quality.md", "loco.md", "loco.json", "docs/score.png.tmp"}
 # and prose that only looks like a path ("the same zlm/torch build").
 NOT_PATHS = {"zlm/torch"}
 # Installed packages whose source lives elsewhere in the repository (pyproject's package-dir).

@@ -319,5 +319,5 @@ def run_recipe(name: str, config: RecipeConfig, make_reporter: ReporterFactory =
     """Dispatch by name: zoneout-ablation | equal-budget."""
     recipes = {"zoneout-ablation": zoneout_ablation, "equal-budget": equal_budget}
     if name not in recipes:
-        raise UsageError(f"unknown recipe {name!r}; use {', '.join(recipes)} or corpora-benchmark")
+        raise UsageError(f"unknown recipe {name!r}; use {', '.join(recipes)}, corpora-benchmark or defaults-loco")
     return recipes[name](config, make_reporter)

@@ -1,0 +1,245 @@
+"""`zlm recipe defaults-loco`: the defaults rule's regularisation, chosen leave-one-corpus-out.
+
+The rule (`zlm.training.defaults`) gives a run zoneout that grows with its expected passes
+E over the text, linearly in log E: none up to ZONEOUT_FROM passes, z_c = ZONEOUT_CELL and
+z_h = ZONEOUT_HIDDEN (half of it) from ZONEOUT_FULL passes on. Those three constants are
+chosen by this procedure, and it reports how the rule does on corpora it was not fitted on:
+
+1. Grid: every benchmark corpus is trained once (seed 1, the benchmark budget) at each z_c
+   of GRID (z_h = z_c x HIDDEN_SHARE), everything else as the rule plans it; each run
+   records the E the rule measured. One grid serves every fold.
+2. Folds: for each corpus X, the `Constants` are the CANDIDATES that minimise the mean,
+   over the *other* corpora, of their valid BPC at the z_c the constants give for their E
+   (read off their grid row, linear between grid points; `fit`). X's held-out z_c is
+   those constants at X's E.
+3. Held out: X is trained at its held-out z_c with every seed (the grid run is reused when
+   that z_c is a grid point and the seed is 1) and scored on the full valid and test
+   splits, next to the corpora benchmark's plain-LSTM baseline for the same seeds (its
+   "baseline-seed<N>" runs: run both recipes with the same --out to share them).
+4. The constants fitted on all corpora are the rule's (docs/defaults-rule.md says which
+   run chose them).
+
+Cost: corpora x (len(GRID) + seeds x 2, less the reused grid runs) runs of the budget;
+with 9 corpora, 3 grid points, 2 seeds and 10 minutes about 9 hours on 2 cores. Like the
+other recipes it continues where it stopped: finished runs are kept, an unfinished one
+resumes from its latest checkpoint. Writes OUT/loco.json and OUT/loco.md.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from zlm.core import checkpoint as ckpt
+from zlm.core.config import Options
+from zlm.core.reporter import Reporter
+from zlm.core.spec import read_spec
+from zlm.data import benchmark_corpora as benchmark
+from zlm.data.dataset import Dataset
+from zlm.errors import ZlmError
+from zlm.tools import benchmark as cb
+from zlm.tools.curves import read_run
+from zlm.tools.recipes import RecipeResult, ReporterFactory, score_run
+from zlm.training.defaults import zoneout_strength
+from zlm.training.plan import Plan, plan
+from zlm.training.runner import run
+
+NAME = "defaults-loco"
+GRID = (0.0, 0.1, 0.2)  # the z_c values every corpus is trained at
+HIDDEN_SHARE = 0.5  # z_h = z_c x this, in the grid and in the rule
+CANDIDATES = {"start": (1.0, 2.0, 4.0, 8.0), "full": (4.0, 8.0, 12.0, 16.0, 32.0), "cell": (0.1, 0.2)}
+
+
+@dataclass(frozen=True)
+class Constants:
+    """The rule's zoneout constants: none up to `start` passes, z_c `cell` from `full` on."""
+
+    start: float
+    full: float
+    cell: float
+
+    def zoneout_cell(self, epochs: float) -> float:
+        return round(self.cell * zoneout_strength(epochs, self.start, self.full), 4)
+
+
+@dataclass(frozen=True)
+class GridRow:
+    """One corpus's grid: the expected passes E its runs had and valid BPC by z_c."""
+
+    corpus: str
+    epochs: float
+    valid: dict[float, float]
+
+
+def candidates() -> list[Constants]:
+    """Every combination of CANDIDATES with start < full."""
+    return [Constants(s, f, c) for s, f, c in itertools.product(*CANDIDATES.values()) if s < f]
+
+
+def interpolate(valid: dict[float, float], z: float) -> float:
+    """Valid BPC at z_c `z`: linear between the two grid points around it (the nearest end
+    outside the grid)."""
+    zs = sorted(valid)
+    if z <= zs[0]:
+        return valid[zs[0]]
+    if z >= zs[-1]:
+        return valid[zs[-1]]
+    hi = next(i for i, g in enumerate(zs) if g >= z)
+    a, b = zs[hi - 1], zs[hi]
+    t = (z - a) / (b - a)
+    return valid[a] + t * (valid[b] - valid[a])
+
+
+def fit(rows: list[GridRow], exclude: str | None = None) -> tuple[Constants, float]:
+    """The candidate with the lowest mean predicted valid BPC over `rows` but `exclude`, and
+    that mean. Ties go to less regularisation (smaller cell, later start and full)."""
+    pool = [r for r in rows if r.corpus != exclude]
+    if not pool:
+        raise ZlmError(f"leave-one-corpus-out needs at least 2 corpora; the grid has {len(rows)}")
+
+    def score(c: Constants) -> float:
+        return statistics.fmean(interpolate(r.valid, c.zoneout_cell(r.epochs)) for r in pool)
+
+    scored = [(round(score(c), 9), c.cell, -c.start, -c.full, c) for c in candidates()]
+    best = min(scored, key=lambda t: t[:4])
+    return best[4], best[0]
+
+
+# ------------------------------------------------------------------ running
+
+
+def _train(setting: str, data: Dataset, seed: int, config: cb.BenchmarkConfig, out: Path, zoneout: float,
+           make_reporter: ReporterFactory) -> Plan:
+    """OUT/<corpus>/<setting>-seed<N>: the rule's plan with z_c `zoneout` (z_h HIDDEN_SHARE of
+    it) given; kept when finished, resumed when started."""
+    run_dir = out / f"{setting}-seed{seed}"
+    resume = run_dir.is_dir() and any(run_dir.iterdir())
+    if resume and (run_dir / "metrics.jsonl").is_file() and read_run(run_dir).finished:
+        return Plan(run_dir, read_spec(run_dir))
+    rep = make_reporter()
+    options = (Options(**config.budget(), seed=seed) | Options(**(config.sizes or {}))
+               | Options(zoneout_cell=zoneout, zoneout_hidden=round(zoneout * HIDDEN_SHARE, 4)))
+    planned = plan(data.path, options, out=run_dir, resume=resume, reporter=rep)
+    if run(planned, rep).interrupted:
+        raise ZlmError(f"interrupted during {run_dir} (checkpoint saved); run the same zlm "
+                       "recipe command again to continue")
+    return planned
+
+
+def grid_setting(z: float) -> str:
+    return f"grid-zc{z:g}"
+
+
+def defaults_loco(config: cb.BenchmarkConfig = cb.BenchmarkConfig(),
+                  make_reporter: ReporterFactory = Reporter) -> RecipeResult:
+    """The grid, the folds, the held-out runs and the baseline; then the tables."""
+    out = Path(config.out or Path("runs") / cb.NAME)
+    rep = make_reporter()
+    corpora = benchmark.select(benchmark.load_benchmark(config.spec), config.only)
+    datas = {c.name: cb.prepare_corpus(c, config, out, rep) for c in corpora}
+    infos = [cb.corpus_info(c, datas[c.name]) for c in corpora]
+    rows, grid = [], []
+    total = len(corpora) * len(GRID)
+    for i, (corpus, z) in enumerate(itertools.product(corpora, GRID)):
+        rep.message(f"[grid {i + 1}/{total}] {corpus.name}, z_c {z:g}")
+        planned = _train(grid_setting(z), datas[corpus.name], 1, config, out / corpus.name, z, make_reporter)
+        row = score_run(planned.run_dir, grid_setting(z), planned.spec.train.device)
+        rows.append({**row, "corpus": corpus.name, "seed": 1, "zoneout_cell": z,
+                     "epochs": planned.spec.rule.expected_epochs if planned.spec.rule else None})
+    for corpus in corpora:
+        mine = [r for r in rows if r["corpus"] == corpus.name]
+        epochs = [r["epochs"] for r in mine if r["epochs"] is not None]
+        grid.append(GridRow(corpus.name, statistics.fmean(epochs) if epochs else 0.0,
+                            {r["zoneout_cell"]: r["valid_bpc"] for r in mine}))
+    folds = {r.corpus: fit(grid, exclude=r.corpus) for r in grid}
+    held = []
+    for corpus, g in zip(corpora, grid, strict=True):
+        constants = folds[corpus.name][0]
+        z = constants.zoneout_cell(g.epochs)
+        for seed in config.seeds:
+            setting = grid_setting(z) if seed == 1 and z in GRID else f"heldout-zc{z:g}"
+            rep.message(f"[held out] {corpus.name}: z_c {z:g} (chosen without it), seed {seed}")
+            planned = _train(setting, datas[corpus.name], seed, config, out / corpus.name, z, make_reporter)
+            row = score_run(planned.run_dir, setting, planned.spec.train.device)
+            held.append({**row, "corpus": corpus.name, "seed": seed, "zoneout_cell": z, "setting": "held-out"})
+        for seed in config.seeds:
+            rep.message(f"[baseline] {corpus.name}, seed {seed}")
+            planned = cb.train_once("baseline", datas[corpus.name], seed, config, out / corpus.name, make_reporter)
+            row = score_run(planned.run_dir, "baseline", planned.spec.train.device)
+            held.append({**row, "corpus": corpus.name, "seed": seed, "setting": "baseline"})
+    overall = fit(grid) if len(grid) > 1 else None
+    md = loco_markdown(config, infos, grid, folds, held, overall)
+    ckpt.write_json(out / "loco.json", {
+        "recipe": NAME, "budget": config.budget(), "seeds": list(config.seeds), "grid_points": list(GRID),
+        "hidden_share": HIDDEN_SHARE, "candidates": CANDIDATES, "corpora": infos,
+        "grid": [asdict(g) for g in grid],
+        "folds": {k: {"constants": asdict(c), "mean_valid": s} for k, (c, s) in folds.items()},
+        "all_corpora": None if overall is None else {"constants": asdict(overall[0]), "mean_valid": overall[1]},
+        "summary": summarize(held), "grid_runs": rows, "runs": held})
+    (out / "loco.md").write_text(md, encoding="utf-8")
+    return RecipeResult(NAME, out, held, md, [out / "loco.json", out / "loco.md"])
+
+
+# ------------------------------------------------------------------ results
+
+
+def summarize(held: list[dict]) -> list[dict]:
+    """Per corpus: held-out and baseline means over the seeds, Δ and whether the held-out
+    rule wins by cb.WIN_MARGIN on valid and test."""
+    out = []
+    for corpus in dict.fromkeys(r["corpus"] for r in held):
+        entry = {"corpus": corpus}
+        for setting, key in (("held-out", "heldout"), ("baseline", "baseline")):
+            mine = [r for r in held if r["corpus"] == corpus and r["setting"] == setting]
+            for split in ("valid", "test"):
+                vals = [r[f"{split}_bpc"] for r in mine if r.get(f"{split}_bpc") is not None]
+                entry[f"{key}_{split}"] = statistics.fmean(vals) if vals else None
+            if setting == "held-out" and mine:
+                entry["zoneout_cell"] = mine[0]["zoneout_cell"]
+        for split in ("valid", "test"):
+            a, b = entry[f"heldout_{split}"], entry[f"baseline_{split}"]
+            entry[f"delta_{split}"] = None if a is None or b is None else a - b
+        entry["wins"] = all(entry[f"delta_{s}"] is not None and entry[f"delta_{s}"] <= -cb.WIN_MARGIN
+                            for s in ("valid", "test"))
+        out.append(entry)
+    return out
+
+
+def _f(v, digits: int = 3, signed: bool = False) -> str:
+    if v is None:
+        return "-"
+    return f"{v:+.{digits}f}" if signed else f"{v:.{digits}f}"
+
+
+def loco_markdown(config: cb.BenchmarkConfig, infos: list[dict], grid: list[GridRow], folds: dict,
+                  held: list[dict], overall) -> str:
+    budget = (f"{config.max_steps:,} steps" if config.max_steps is not None else f"{config.minutes:g} minutes")
+    lines = [f"Leave-one-corpus-out: the defaults rule's zoneout chosen without each corpus, scored on it "
+             f"({budget} per run, seeds {', '.join(map(str, config.seeds))}; Δ = held out - baseline, a win "
+             f"when Δ <= -{cb.WIN_MARGIN:g} on valid and test).", "",
+             "| corpus | E | z_c held out | held-out valid | baseline valid | Δ valid | held-out test | "
+             "baseline test | Δ test | win |", "|---|---|---|---|---|---|---|---|---|---|"]
+    epochs = {g.corpus: g.epochs for g in grid}
+    for s in summarize(held):
+        lines.append(f"| {s['corpus']} | {epochs[s['corpus']]:.1f} | {s.get('zoneout_cell', 0):g} | "
+                     f"{_f(s['heldout_valid'])} | {_f(s['baseline_valid'])} | {_f(s['delta_valid'], signed=True)} | "
+                     f"{_f(s['heldout_test'])} | {_f(s['baseline_test'])} | {_f(s['delta_test'], signed=True)} | "
+                     f"{'yes' if s['wins'] else 'no'} |")
+    lines += ["", "The grid (seed 1, valid BPC by z_c; z_h = z_c x "
+              f"{HIDDEN_SHARE:g}) and each fold's constants (chosen without the corpus):", "",
+              "| corpus | E | " + " | ".join(f"z_c {z:g}" for z in GRID) + " | fold: start, full, cell |",
+              "|---|---|" + "---|" * len(GRID) + "---|"]
+    for g in grid:
+        c = folds[g.corpus][0]
+        lines.append(f"| {g.corpus} | {g.epochs:.1f} | " + " | ".join(_f(g.valid.get(z)) for z in GRID)
+                     + f" | {c.start:g}, {c.full:g}, {c.cell:g} |")
+    if overall is not None:
+        c, s = overall
+        lines += ["", f"Fitted on every corpus: ZONEOUT_FROM {c.start:g}, ZONEOUT_FULL {c.full:g}, "
+                  f"ZONEOUT_CELL {c.cell:g}, ZONEOUT_HIDDEN {c.cell * HIDDEN_SHARE:g} (mean predicted valid "
+                  f"{s:.3f})."]
+    lines += ["", "Corpora: " + ", ".join(f"{i['name']} ({i['kind']}, {i['characters']:,} characters)"
+                                          for i in infos) + ".", ""]
+    return "\n".join(lines)
