@@ -21,8 +21,9 @@ likelihood), each token one draw per row and ONE step of the model for all rows:
   compiler, an fp64 model, CUDA) each stream steps its own batch-1 Stepper: exact, not
   batched.
 
-Why a stream's tokens do not depend on the other rows: the Decoder computes each row on
-its own, every output column summed by one thread in one order (decoder.cpp); the draw
+Why a stream's tokens do not depend on the other rows: the Decoder sums each row in the
+same order whatever the batch and its place in it (it takes 4 rows per pass over a weight
+tile, each with its own accumulators; decoder.cpp); the draw
 goes row by row, and a row's uniforms come from its own generator in the same blocks of
 CHUNK that `generate` draws for one sample; the prime runs through the model alone
 (batch 1), in `generate`'s windows. So a stream makes the tokens `generate` makes for
