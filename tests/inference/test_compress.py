@@ -238,6 +238,35 @@ def test_refuses_an_older_format_and_another_kernel_path(lms):
         decompress_bytes(lm, _reheader(blob, checksum=Header.unpack(blob, "f")[0].checksum ^ 1), "f")
 
 
+def test_static_coding_runs_the_decoder_on_every_core_and_older_files_still_decode(lms, monkeypatch):
+    """Static files are coded with the C++ Decoder (its sums do not depend on the thread
+    count: the same bytes on 1 or 2 threads); a file coded with the one-thread "cpp" step,
+    as zlm wrote them before, still decodes; --adapt keeps the "cpp" step."""
+    import zlm.inference.compress as compress
+    from zlm.model.cells import cpu_ext
+
+    if cpu_ext.load_extension() is None:
+        pytest.skip(f"no compiled step: {cpu_ext.unavailable_reason()}")
+    lm, data = lms["char"], shakespeare_text(3000).encode()
+    assert compress.coder_kernel(None) == "decode" and compress.coder_kernel(ADAPT) == "cpp"
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one, _ = compress_bytes(lm, data)
+        torch.set_num_threads(2)
+        two, _ = compress_bytes(lm, data)
+    finally:
+        torch.set_num_threads(before)
+    assert one == two and Header.unpack(one, "f")[0].kernel == compress.kernel_id("fp32", "decode")
+    assert decompress_bytes(lm, one, "f")[0] == data
+    monkeypatch.setattr(compress, "coder_kernel", lambda adapt: "cpp")
+    legacy, _ = compress_bytes(lm, data)
+    assert Header.unpack(legacy, "f")[0].kernel == compress.kernel_id("fp32", "cpp") != compress.kernel_id(
+        "fp32", "decode")
+    monkeypatch.undo()
+    assert decompress_bytes(lm, legacy, "f")[0] == data
+
+
 def test_refuses_damage_truncation_and_another_model(lms, tmp_path):
     lm = lms["char"]
     data = shakespeare_text(2000).encode()

@@ -28,8 +28,9 @@ byte or so more for each further block (blocks: at most 64 KiB of one stream). T
 model-codes a block only when that is smaller than storing it, and stores everything
 when the model saves nothing overall, so no file grows by more than its header.
 
-Decoding needs the same model and the same kernel path (zlm's step kernels, torch and
-numpy builds, CPU instruction set, thread count): the header names both by hash and the
+Decoding needs the same model and the same kernel path (zlm's step kernel - the C++
+Decoder on every core for static coding, the "cpp" step on one thread with `--adapt` -,
+torch and numpy builds, CPU instruction set): the header names both by hash and the
 decoder refuses another one with a one-line error, as it does an older format, a damaged
 or truncated file (header CRC, lengths, text checksum). Nothing is written unless the
 whole file decodes and checks.
@@ -37,6 +38,7 @@ whole file decodes and checks.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -94,18 +96,34 @@ def model_id(lm: LoadedModel) -> bytes:
     return h.digest()
 
 
-def kernel_path() -> str:
+def coder_kernel(adapt) -> str:
+    """The Stepper kernel a new file is coded with: "decode" (the C++ Decoder, every core: its
+    sums do not depend on the thread count) for static coding where it runs, else "cpp" on
+    THREADS threads (`--adapt`: dynamic evaluation's torch steps must run on as many
+    threads on both sides)."""
+    ext = load_extension()
+    return "decode" if adapt is None and ext is not None and hasattr(ext, "Decoder") else "cpp"
+
+
+def kernel_path(kernel: str = "cpp") -> str:
     """What the decoder's arithmetic must match to reproduce every distribution: zlm's
-    step kernels and frequency tables, torch's and numpy's builds (numpy computes every
-    softmax, log and exp of the mixing), the CPU's instruction set as torch dispatches
-    it, and the thread count."""
-    step = "cpp" if load_extension() is not None else "torch"  # the Stepper's two paths
-    return (f"stepper-{step}/t{THREADS}/p{PROB_BITS} torch {torch.__version__} numpy "
+    step kernel (the Decoder's product, or the "cpp" step and its thread count) and
+    frequency tables, torch's and numpy's builds (numpy computes every softmax, log and
+    exp of the mixing) and the CPU's instruction set as torch dispatches it."""
+    ext = load_extension()
+    if ext is None:
+        step = "stepper-torch/t" + str(THREADS)
+    elif kernel == "decode":  # fp32 weights: the AVX-512 builds share one product
+        product = ext.decoder_kernel()
+        step = "stepper-decode-" + ("avx512" if product.startswith("avx512") else product)
+    else:
+        step = "stepper-cpp/t" + str(THREADS)
+    return (f"{step}/p{PROB_BITS} torch {torch.__version__} numpy "
             f"{np.__version__} {torch.backends.cpu.get_cpu_capability()}")
 
 
-def kernel_id(precision: str) -> bytes:
-    return hashlib.sha256(f"{precision} {kernel_path()}".encode()).digest()[:4]
+def kernel_id(precision: str, kernel: str = "cpp") -> bytes:
+    return hashlib.sha256(f"{precision} {kernel_path(kernel)}".encode()).digest()[:4]
 
 
 def _varint(n: int) -> bytes:
@@ -288,13 +306,14 @@ def compress_bytes(lm: LoadedModel, data: bytes, adapt: DynamicConfig | None = N
     ext = [alphabet.extend(*alphabet.encode(data[a:z])) for _, a, z in blocks]
     cells, owner, lengths = _streams(blocks, ext, layout.streams)
     side = EncodeSide(cells, owner, alphabet)
-    with fixed_threads():
-        bits = run_coder(lm.model, alphabet, lengths, side, adapt, progress=progress)
+    kernel = coder_kernel(adapt)
+    with fixed_threads() if kernel == "cpp" else contextlib.nullcontext():
+        bits = run_coder(lm.model, alphabet, lengths, side, adapt, progress=progress, kernel=kernel)
     # Model-code a block when its coded bits and its header entry take fewer bytes than it.
     costs = side.costs(len(blocks))
     coded = np.array([math.ceil(c / 8) + len(_varint(_zigzag(z - a - len(e)))) < z - a
                       for c, e, (_, a, z) in zip(costs, ext, blocks, strict=True)], dtype=bool)
-    ids = model_id(lm)[:8], kernel_id(lm.runtime.precision), zlib.crc32(data)
+    ids = model_id(lm)[:8], kernel_id(lm.runtime.precision, kernel), zlib.crc32(data)
 
     def container(coded: np.ndarray) -> tuple[bytes, bytes]:
         """(header, stored blocks + range coder bytes)."""
@@ -327,11 +346,15 @@ def decompress_bytes(lm: LoadedModel, blob: bytes, name: str = "input",
         raise CompressedFileError(
             f"{name} was compressed with a different model (id {header.model.hex()}, this "
             f"one is {mine[:8].hex()}); pass the RUN it was compressed with")
-    if header.kernel != kernel_id(lm.runtime.precision):
+    prec = lm.runtime.precision
+    kernel = next((k for k in dict.fromkeys((coder_kernel(header.adapt), "cpp"))
+                   if header.kernel == kernel_id(prec, k)), None)  # "cpp": files coded before "decode"
+    if kernel is None:
+        mine = coder_kernel(header.adapt)
         raise CompressedFileError(
             f"{name} was compressed with another kernel path (id {header.kernel.hex()}; this "
-            f"is {kernel_id(lm.runtime.precision).hex()}: '{lm.runtime.precision} "
-            f"{kernel_path()}'); decompress with the same zlm/torch build on the same kind of CPU")
+            f"is {kernel_id(prec, mine).hex()}: '{prec} {kernel_path(mine)}'); decompress with "
+            "the same zlm/torch build on the same kind of CPU")
     alphabet = Alphabet(lm.tokenizer)
     blocks = Layout(header.length, header.streams).blocks()
     stored_bytes = sum(z - a for (_, a, z), c in zip(blocks, header.coded, strict=True) if not c)
@@ -358,8 +381,8 @@ def decompress_bytes(lm: LoadedModel, blob: bytes, name: str = "input",
     cells, owner, lengths = _streams(blocks, ext, header.streams)
     coded = np.array(header.coded + (False,), dtype=bool)[owner]  # owner -1 -> False
     side = DecodeSide(blob[at:], cells, coded, alphabet)
-    with fixed_threads():
-        run_coder(lm.model, alphabet, lengths, side, header.adapt, progress=progress)
+    with fixed_threads() if kernel == "cpp" else contextlib.nullcontext():
+        run_coder(lm.model, alphabet, lengths, side, header.adapt, progress=progress, kernel=kernel)
     parts, fill = [], [0] * header.streams
     for (s, _, _), r, e in zip(blocks, raw, ext, strict=True):
         if r is None:

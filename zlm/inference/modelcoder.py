@@ -32,7 +32,8 @@ blocks first, keeps the same states.
 
 The encoder knows every symbol in advance but never uses it before the decoder could:
 both sides run this same loop with the same batch of S streams, the same kernels (the
-`Stepper`'s "cpp" kernel, fp32, on the CPU), THREADS threads and the same float64
+`Stepper`'s "decode" kernel on every core for static coding, its "cpp" kernel on THREADS
+threads with dynamic evaluation; fp32, on the CPU) and the same float64
 arithmetic in the same order (numpy's, and Python floats' + - * / in the learning
 updates), so each step's frequency table is bit-for-bit the same. Cold starts: every stream starts from a
 zero state with rest_id as its input, as the decoder must.
@@ -530,9 +531,10 @@ def fixed_threads(n: int = THREADS):
 @torch.no_grad()
 def run_coder(model: ZoneoutLM, alphabet: Alphabet, lengths: np.ndarray, side,
               adapt: DynamicConfig | None = None,
-              progress: Callable[[float], None] | None = None) -> np.ndarray:
+              progress: Callable[[float], None] | None = None, kernel: str = "cpp") -> np.ndarray:
     """The shared loop (see the module docstring) over S streams of lengths (S,) symbols.
-    side: `EncodeSide` or `DecodeSide`. Returns the ideal code length of every symbol under
+    side: `EncodeSide` or `DecodeSide`. kernel: the Stepper's, as the file's header
+    records it ("decode" or "cpp"). Returns the ideal code length of every symbol under
     the mixed prediction, (steps, S) float64 bits (0 past a stream's end): -log2 q for the
     token, + the quantised cost of an escaped byte."""
     lengths = np.asarray(lengths, dtype=np.int64)
@@ -546,7 +548,9 @@ def run_coder(model: ZoneoutLM, alphabet: Alphabet, lengths: np.ndarray, side,
     match = MatchModel(lengths, alphabet)
     context = ContextModel(lengths, alphabet)
     adapter = DynamicAdapter(model, adapt) if adapt is not None else None
-    step = Stepper(adapter.model if adapter else model, S, kernel="cpp")  # the recorded kernel
+    step = Stepper(adapter.model if adapter else model, S, kernel=kernel)  # the recorded kernel
+    if step.kernel != kernel and not (kernel == "cpp" and step.kernel == "torch"):
+        raise RuntimeError(f"the coder needs the Stepper's {kernel!r} kernel; this build runs {step.kernel!r}")
     inp = np.full(S, rest, dtype=np.int64)  # (S,)
     seg_in, seg_tg, start = [], [], (step.h.clone(), step.c.clone())
     for t in range(steps):
