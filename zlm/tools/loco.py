@@ -20,7 +20,7 @@ chosen by this procedure, and it reports how the rule does on corpora it was not
    run chose them).
 
 Cost: corpora x (len(GRID) + seeds x 2, less the reused grid runs) runs of the budget;
-with 9 corpora, 3 grid points, 2 seeds and 10 minutes about 9 hours on 2 cores. Like the
+with 9 corpora, 3 grid points, 2 seeds and 10 minutes 54 to 63 runs, 10 to 11 hours on 2 cores. Like the
 other recipes it continues where it stopped: finished runs are kept, an unfinished one
 resumes from its latest checkpoint. Writes OUT/loco.json and OUT/loco.md.
 """
