@@ -17,8 +17,15 @@ import typer
 
 from zlm.cli.render import handle_errors
 from zlm.core.config import Options, parse_duration
-from zlm.training.defaults import (AVERAGE_SHARE, REGIMES, RULED, ZONEOUT_CELL, ZONEOUT_FROM, ZONEOUT_FULL,
-                                   ZONEOUT_HIDDEN)
+from zlm.training.defaults import (
+    AVERAGE_SHARE,
+    REGIMES,
+    RULED,
+    ZONEOUT_CELL,
+    ZONEOUT_FROM,
+    ZONEOUT_FULL,
+    ZONEOUT_HIDDEN,
+)
 from zlm.training.presets import get_preset
 
 H_MODEL, H_TRAIN, H_RUN = "Model", "Training", "Run"

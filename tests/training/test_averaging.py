@@ -41,7 +41,7 @@ def test_the_mean_and_the_swap():
     with again.applied() as on:  # nothing averaged yet: nothing changes
         assert not on and torch.equal(p[0].detach(), torch.full((3,), 5.0))
     again.load(avg.tensors(), avg.count)
-    assert again.count == 5 and all(torch.equal(x, y) for x, y in zip(again.mean, avg.mean))
+    assert again.count == 5 and all(torch.equal(x, y) for x, y in zip(again.mean, avg.mean, strict=True))
     with pytest.raises(UsageError, match="--average"):
         TrainConfig(average=1.0)
 

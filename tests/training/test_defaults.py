@@ -86,8 +86,8 @@ def test_zoneout_grows_with_the_passes_without_a_cliff():
     epochs = [0.1 * 1.01 ** k for k in range(1000)]  # 0.1 .. 2,000 passes
     zc = [decide(RunLength(1_000_000, epochs=e)).settings.zoneout_cell for e in epochs]
     zh = [decide(RunLength(1_000_000, epochs=e)).settings.zoneout_hidden for e in epochs]
-    assert all(b >= a for a, b in zip(zc, zc[1:])) and all(b >= a for a, b in zip(zh, zh[1:]))
-    assert max(b - a for a, b in zip(zc, zc[1:])) <= 0.003
+    assert all(b >= a for a, b in zip(zc, zc[1:], strict=False)) and all(b >= a for a, b in zip(zh, zh[1:], strict=False))
+    assert max(b - a for a, b in zip(zc, zc[1:], strict=False)) <= 0.003
     assert zc[0] == 0.0 and zc[-1] == defaults.ZONEOUT_CELL and zh[-1] == defaults.ZONEOUT_HIDDEN
     assert defaults.zoneout_strength(defaults.ZONEOUT_FROM) == 0.0
     assert defaults.zoneout_strength(defaults.ZONEOUT_FULL) == 1.0
