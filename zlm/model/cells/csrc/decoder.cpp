@@ -60,11 +60,10 @@ inline __m512 load16(const uint16_t* p) {  // 16 bf16 -> 16 fp32 (exact: the bit
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
 
-// acc[r][0..32) += x_r[0..K) . w (K, 32) for R rows, x_r = x + r xs. Per row four
-// accumulators: two column halves x (even k, odd k), added at the end.
-template <typename W, int R>
-inline void rows_product(const float* x, int64_t xs, const W* w, int64_t K, float* acc) {
-  __m512 a[R][4];
+// The four accumulators of each of R rows: two column halves x (even k, odd k); the even
+// ones start from acc's rows (kTile floats each), the odd ones from zero.
+template <int R>
+inline void open_rows(const float* acc, __m512 (&a)[R][4]) {
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
     a[r][0] = _mm512_loadu_ps(acc + r * kTile);
@@ -72,6 +71,23 @@ inline void rows_product(const float* x, int64_t xs, const W* w, int64_t K, floa
     a[r][2] = _mm512_setzero_ps();
     a[r][3] = _mm512_setzero_ps();
   }
+}
+
+// acc's rows = the even accumulators + the odd ones.
+template <int R>
+inline void close_rows(__m512 (&a)[R][4], float* acc) {
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(acc + r * kTile, _mm512_add_ps(a[r][0], a[r][2]));
+    _mm512_storeu_ps(acc + r * kTile + 16, _mm512_add_ps(a[r][1], a[r][3]));
+  }
+}
+
+// acc[r][0..32) += x_r[0..K) . w (K, 32) for R rows, x_r = x + r xs (`open_rows`).
+template <typename W, int R>
+inline void rows_product(const float* x, int64_t xs, const W* w, int64_t K, float* acc) {
+  __m512 a[R][4];
+  open_rows<R>(acc, a);
   int64_t k = 0;
   for (; k + 1 < K; k += 2) {
     const W* w0 = w + k * kTile;
@@ -95,27 +111,17 @@ inline void rows_product(const float* x, int64_t xs, const W* w, int64_t K, floa
       a[r][1] = _mm512_fmadd_ps(x0, v1, a[r][1]);
     }
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    _mm512_storeu_ps(acc + r * kTile, _mm512_add_ps(a[r][0], a[r][2]));
-    _mm512_storeu_ps(acc + r * kTile + 16, _mm512_add_ps(a[r][1], a[r][3]));
-  }
+  close_rows<R>(a, acc);
 }
 
 #if defined(__AVX512BF16__)
 // The pair layout: acc[r][0..32) += x_r . w for R rows, x_r = xp + r xs: P pairs of bf16
 // (x[2p] low, x[2p+1] high) as uint32; w (P, 32, 2) bf16: for pair p and column j,
-// w[2p][j] then w[2p+1][j]. Per row four accumulators: two column halves x (even p, odd p).
+// w[2p][j] then w[2p+1][j]. The accumulators of `open_rows`, even and odd p.
 template <int R>
 inline void rows_dot(const uint32_t* xp, int64_t xs, const uint16_t* w, int64_t P, float* acc) {
   __m512 a[R][4];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    a[r][0] = _mm512_loadu_ps(acc + r * kTile);
-    a[r][1] = _mm512_loadu_ps(acc + r * kTile + 16);
-    a[r][2] = _mm512_setzero_ps();
-    a[r][3] = _mm512_setzero_ps();
-  }
+  open_rows<R>(acc, a);
   auto bh = [](__m512i v) { return reinterpret_cast<__m512bh&>(v); };
   int64_t p = 0;
   for (; p + 1 < P; p += 2) {
@@ -142,11 +148,7 @@ inline void rows_dot(const uint32_t* xp, int64_t xs, const uint16_t* w, int64_t 
       a[r][1] = _mm512_dpbf16_ps(a[r][1], x0, v1);
     }
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    _mm512_storeu_ps(acc + r * kTile, _mm512_add_ps(a[r][0], a[r][2]));
-    _mm512_storeu_ps(acc + r * kTile + 16, _mm512_add_ps(a[r][1], a[r][3]));
-  }
+  close_rows<R>(a, acc);
 }
 
 // n floats -> n bf16 (round to nearest even); the tail of a 16 is masked.
