@@ -89,6 +89,21 @@ def write_ptb_char(directory: pathlib.Path, lines=(3000, 400, 400)) -> dict[str,
 
 # Tiny datasets ---------------------------------------------------------------------------
 
+# The corpora recipes' tests (corpora-benchmark, defaults-loco): a fake fetch-corpora OUT_DIR
+# and tiny run sizes.
+RUSSIAN = "Выиграть по лотерейному билету автомобиль — всё равно, что выиграть поезд.\n%\n"
+TINY_BENCH = {"hidden": 16, "embed": 8, "batch_size": 4, "bptt": 16, "eval_every": 2, "log_every": 1,
+              "device": "cpu"}
+
+
+def write_fake_bench_corpora(root: pathlib.Path) -> pathlib.Path:
+    """A fetch-corpora OUT_DIR holding two of the set's names with small stand-in texts."""
+    for name, text in (("tinyshakespeare", shakespeare_text(20_000)), ("fortunes-ru", RUSSIAN * 200)):
+        (root / name).mkdir()
+        (root / name / "input.txt").write_text(text, encoding="utf-8")
+    return root
+
+
 def write_char_dataset(out: pathlib.Path, text: str, split=(0.9, 0.05, 0.05)) -> pathlib.Path:
     """A DATA_DIR in zlm-dataset format, written without zlm.prepare (a fake, not a mock)."""
     out.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,7 @@ import signal
 import pytest
 from typer.testing import CliRunner
 
-from conftest import shakespeare_text, write_char_dataset
+from conftest import RUSSIAN, TINY_BENCH, shakespeare_text, write_char_dataset, write_fake_bench_corpora
 from zlm.cli import app
 from zlm.core.config import Options
 from zlm.core.metrics import read_metrics
@@ -23,19 +23,12 @@ from zlm.tools.curves import read_run
 from zlm.training import speed_probe
 
 runner = CliRunner()
-TINY = {"hidden": 16, "embed": 8, "batch_size": 4, "bptt": 16, "eval_every": 2, "log_every": 1,
-        "device": "cpu"}
-RUSSIAN = "Выиграть по лотерейному билету автомобиль — всё равно, что выиграть поезд.\n%\n"
 
 
 @pytest.fixture(scope="module")
 def corpora(tmp_path_factory):
     """A fake fetch-corpora OUT_DIR holding two of the set's names."""
-    root = tmp_path_factory.mktemp("corpora")
-    for name, text in (("tinyshakespeare", shakespeare_text(20_000)), ("fortunes-ru", RUSSIAN * 200)):
-        (root / name).mkdir()
-        (root / name / "input.txt").write_text(text, encoding="utf-8")
-    return root
+    return write_fake_bench_corpora(tmp_path_factory.mktemp("corpora"))
 
 
 def test_defaults_are_zlm_trains_and_baseline_is_the_plain_lstm(tmp_path, monkeypatch):
@@ -98,7 +91,7 @@ class KillAt(Reporter):
 def test_benchmark_end_to_end_and_restart_after_interruption(corpora, tmp_path):
     out = tmp_path / "bench"
     config = cb.BenchmarkConfig(corpora=corpora, only="tinyshakespeare,fortunes-ru", out=out,
-                                max_steps=4, seeds=(1, 2), sizes=TINY)
+                                max_steps=4, seeds=(1, 2), sizes=TINY_BENCH)
     calls = []
 
     def interrupt_third_run():  # reporter 0 is the recipe's, 1.. are the runs'

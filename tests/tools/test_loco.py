@@ -8,7 +8,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from conftest import shakespeare_text
+from conftest import TINY_BENCH, write_fake_bench_corpora
 from zlm.cli import app
 from zlm.core.metrics import read_metrics
 from zlm.tools import benchmark as cb
@@ -16,9 +16,6 @@ from zlm.tools import loco
 from zlm.tools.loco import Constants, GridRow, fit, interpolate
 
 runner = CliRunner()
-TINY = {"hidden": 16, "embed": 8, "batch_size": 4, "bptt": 16, "eval_every": 2, "log_every": 1,
-        "device": "cpu"}
-RUSSIAN = "Выиграть по лотерейному билету автомобиль — всё равно, что выиграть поезд.\n%\n"
 
 
 def test_interpolate_is_linear_between_grid_points_and_flat_outside():
@@ -67,18 +64,14 @@ def test_constants_follow_the_rule():
 
 @pytest.fixture(scope="module")
 def corpora(tmp_path_factory):
-    root = tmp_path_factory.mktemp("corpora")
-    for name, text in (("tinyshakespeare", shakespeare_text(20_000)), ("fortunes-ru", RUSSIAN * 200)):
-        (root / name).mkdir()
-        (root / name / "input.txt").write_text(text, encoding="utf-8")
-    return root
+    return write_fake_bench_corpora(tmp_path_factory.mktemp("corpora"))
 
 
 def test_procedure_end_to_end_and_again(corpora, tmp_path, monkeypatch):
     monkeypatch.setattr(loco, "GRID", (0.0, 0.2))
     out = tmp_path / "loco"
     config = cb.BenchmarkConfig(corpora=corpora, only="tinyshakespeare,fortunes-ru", out=out,
-                                max_steps=2, seeds=(1, 2), sizes=TINY)
+                                max_steps=2, seeds=(1, 2), sizes=TINY_BENCH)
     result = loco.defaults_loco(config)
     doc = json.loads((out / "loco.json").read_text())
     assert [g["corpus"] for g in doc["grid"]] == ["tinyshakespeare", "fortunes-ru"]
@@ -91,7 +84,7 @@ def test_procedure_end_to_end_and_again(corpora, tmp_path, monkeypatch):
         other = next(GridRow(g["corpus"], g["epochs"], {float(k): v for k, v in g["valid"].items()})
                      for g in doc["grid"] if g["corpus"] != name)
         assert Constants(**fold["constants"]) == fit([other])[0]
-    held = [r for r in result.rows if r["setting"] == "held-out"]
+    held = [r for r in result.rows if r["setting"] == loco.HELD_OUT]
     assert [(r["corpus"], r["seed"]) for r in held] == [(c, s) for c in ("tinyshakespeare", "fortunes-ru")
                                                          for s in (1, 2)]
     for r in held:

@@ -146,14 +146,16 @@ def baseline(defaults_cfgs: tuple[ModelConfig, TrainConfig]) -> tuple[ModelConfi
 
 
 def run_plan(setting: str, data: Dataset, seed: int, config: BenchmarkConfig, out: Path,
-             resume: bool = False, reporter: Reporter | None = None) -> Plan:
+             resume: bool = False, reporter: Reporter | None = None, extra: Options = Options()) -> Plan:
     """The plan of one run into OUT/<corpus>/<setting>-seed<N>; config.sizes (tests) replace
-    values in both settings. The baseline takes the budget, seed and validation schedule
-    of the defaults run of its seed (its stored spec, or planned now)."""
+    values in both settings. Any setting but "baseline" is the defaults rule's plan with
+    `extra` given (other recipes' variants of the defaults). The baseline takes the budget,
+    seed and validation schedule of the defaults run of its seed (its stored spec, or
+    planned now)."""
     run_dir = out / f"{setting}-seed{seed}"
     options = Options(**config.budget(), seed=seed) | Options(**(config.sizes or {}))
-    if setting == "defaults":
-        return plan(data.path, options, out=run_dir, resume=resume, reporter=reporter)
+    if setting != "baseline":
+        return plan(data.path, options | extra, out=run_dir, resume=resume, reporter=reporter)
     spec = zlm_defaults(data, options, out / f"defaults-seed{seed}")
     model, train_cfg = baseline((spec.model, spec.train))
     model, train_cfg = Options(**(config.sizes or {})).apply(model, train_cfg, data.vocab_size)
@@ -180,14 +182,15 @@ def prepare_corpus(corpus: benchmark.BenchCorpus, config: BenchmarkConfig, out: 
 
 
 def train_once(setting: str, data: Dataset, seed: int, config: BenchmarkConfig, out: Path,
-               make_reporter: ReporterFactory) -> Plan:
-    """Train one run, resume it from its latest checkpoint, or keep it when finished."""
+               make_reporter: ReporterFactory, extra: Options = Options()) -> Plan:
+    """Train one run (`run_plan`), resume it from its latest checkpoint, or keep it when
+    finished."""
     run_dir = out / f"{setting}-seed{seed}"
     resume = run_dir.is_dir() and any(run_dir.iterdir())
     if resume and (run_dir / "metrics.jsonl").is_file() and read_run(run_dir).finished:
         return Plan(run_dir, read_spec(run_dir))
     rep = make_reporter()
-    planned = run_plan(setting, data, seed, config, out, resume, rep)
+    planned = run_plan(setting, data, seed, config, out, resume, rep, extra)
     if run(planned, rep).interrupted:
         raise ZlmError(f"interrupted during {run_dir} (checkpoint saved); run the same zlm "
                        "recipe command again to continue")
@@ -231,28 +234,31 @@ def corpora_benchmark(config: BenchmarkConfig = BenchmarkConfig(),
 # ------------------------------------------------------------------ results
 
 
-def summarize(rows: list[dict]) -> list[dict]:
-    """Per corpus: the mean over seeds of each setting's valid and test BPC, the
-    differences (defaults - baseline) and whether the defaults win by WIN_MARGIN on both."""
+def summarize(rows: list[dict], settings: tuple[str, str] = SETTINGS) -> list[dict]:
+    """Per corpus: the mean over seeds of each of the two settings' valid and test BPC, the
+    differences (first - second: defaults - baseline) and whether the first wins by
+    WIN_MARGIN on both ("<first>_win")."""
+    first, second = settings
     out = []
     for corpus in dict.fromkeys(r["corpus"] for r in rows):
         entry = {"corpus": corpus}
-        for setting in SETTINGS:
+        for setting in settings:
             mine = [r for r in rows if r["corpus"] == corpus and r["setting"] == setting]
             for split in ("valid", "test"):
                 vals = [r[f"{split}_bpc"] for r in mine if r.get(f"{split}_bpc") is not None]
                 entry[f"{setting}_{split}"] = statistics.fmean(vals) if vals else None
             entry[f"{setting}_characters"] = statistics.fmean(r["characters"] for r in mine) if mine else None
         for split in ("valid", "test"):
-            a, b = entry[f"defaults_{split}"], entry[f"baseline_{split}"]
+            a, b = entry[f"{first}_{split}"], entry[f"{second}_{split}"]
             entry[f"delta_{split}"] = None if a is None or b is None else a - b
-        entry["defaults_win"] = all(entry[f"delta_{s}"] is not None and entry[f"delta_{s}"] <= -WIN_MARGIN
+        entry[f"{first}_win"] = all(entry[f"delta_{s}"] is not None and entry[f"delta_{s}"] <= -WIN_MARGIN
                                     for s in ("valid", "test"))
         out.append(entry)
     return out
 
 
-def _fmt(v, digits: int = 3, signed: bool = False) -> str:
+def fmt(v, digits: int = 3, signed: bool = False) -> str:
+    """A number of the tables: `digits` decimals (a sign with `signed`), "-" for None."""
     if v is None:
         return "-"
     return f"{v:+.{digits}f}" if signed else f"{v:.{digits}f}"
@@ -289,18 +295,18 @@ def benchmark_markdown(config: BenchmarkConfig, infos: list[dict], rows: list[di
               "| corpus | defaults valid | baseline valid | Δ valid | defaults test | "
               "baseline test | Δ test | defaults win |", "|---|---|---|---|---|---|---|---|"]
     for s in summary:
-        lines.append(f"| {s['corpus']} | {_fmt(s['defaults_valid'])} | {_fmt(s['baseline_valid'])} | "
-                     f"{_fmt(s['delta_valid'], signed=True)} | {_fmt(s['defaults_test'])} | "
-                     f"{_fmt(s['baseline_test'])} | {_fmt(s['delta_test'], signed=True)} | "
+        lines.append(f"| {s['corpus']} | {fmt(s['defaults_valid'])} | {fmt(s['baseline_valid'])} | "
+                     f"{fmt(s['delta_valid'], signed=True)} | {fmt(s['defaults_test'])} | "
+                     f"{fmt(s['baseline_test'])} | {fmt(s['delta_test'], signed=True)} | "
                      f"{'yes' if s['defaults_win'] else 'no'} |")
     lines += ["", "Every run:", "",
               "| corpus | setting | seed | valid BPC | test BPC | characters seen | steps | "
               "best step | training minutes |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         minutes = None if r.get("elapsed_s") is None else r["elapsed_s"] / 60
-        lines.append(f"| {r['corpus']} | {r['setting']} | {r['seed']} | {_fmt(r['valid_bpc'])} | "
-                     f"{_fmt(r['test_bpc'])} | {r['characters']:,.0f} | {r['steps']:,} | "
-                     f"{r.get('best_step', '-')} | {_fmt(minutes, 1)} |")
+        lines.append(f"| {r['corpus']} | {r['setting']} | {r['seed']} | {fmt(r['valid_bpc'])} | "
+                     f"{fmt(r['test_bpc'])} | {r['characters']:,.0f} | {r['steps']:,} | "
+                     f"{r.get('best_step', '-')} | {fmt(minutes, 1)} |")
     lines += ["", "Settings (as resolved for the first corpus):",
               _setting_line(rows, "defaults"), _setting_line(rows, "baseline"), "",
               "BPC: the best checkpoint (by validation) on the full split, state carried "

@@ -35,18 +35,14 @@ from pathlib import Path
 from zlm.core import checkpoint as ckpt
 from zlm.core.config import Options
 from zlm.core.reporter import Reporter
-from zlm.core.spec import read_spec
 from zlm.data import benchmark_corpora as benchmark
-from zlm.data.dataset import Dataset
 from zlm.errors import ZlmError
 from zlm.tools import benchmark as cb
-from zlm.tools.curves import read_run
 from zlm.tools.recipes import RecipeResult, ReporterFactory, score_run
 from zlm.training.defaults import zoneout_strength
-from zlm.training.plan import Plan, plan
-from zlm.training.runner import run
 
 NAME = "defaults-loco"
+HELD_OUT = "heldout"  # the setting of a corpus's runs at the z_c chosen without it
 GRID = (0.0, 0.1, 0.2)  # the z_c values every corpus is trained at
 HIDDEN_SHARE = 0.5  # z_h = z_c x this, in the grid and in the rule
 CANDIDATES = {"start": (1.0, 2.0, 4.0, 8.0), "full": (4.0, 8.0, 12.0, 16.0, 32.0), "cell": (0.1, 0.2)}
@@ -110,22 +106,9 @@ def fit(rows: list[GridRow], exclude: str | None = None) -> tuple[Constants, flo
 # ------------------------------------------------------------------ running
 
 
-def _train(setting: str, data: Dataset, seed: int, config: cb.BenchmarkConfig, out: Path, zoneout: float,
-           make_reporter: ReporterFactory) -> Plan:
-    """OUT/<corpus>/<setting>-seed<N>: the rule's plan with z_c `zoneout` (z_h HIDDEN_SHARE of
-    it) given; kept when finished, resumed when started."""
-    run_dir = out / f"{setting}-seed{seed}"
-    resume = run_dir.is_dir() and any(run_dir.iterdir())
-    if resume and (run_dir / "metrics.jsonl").is_file() and read_run(run_dir).finished:
-        return Plan(run_dir, read_spec(run_dir))
-    rep = make_reporter()
-    options = (Options(**config.budget(), seed=seed) | Options(**(config.sizes or {}))
-               | Options(zoneout_cell=zoneout, zoneout_hidden=round(zoneout * HIDDEN_SHARE, 4)))
-    planned = plan(data.path, options, out=run_dir, resume=resume, reporter=rep)
-    if run(planned, rep).interrupted:
-        raise ZlmError(f"interrupted during {run_dir} (checkpoint saved); run the same zlm "
-                       "recipe command again to continue")
-    return planned
+def zoneout(z: float) -> Options:
+    """z_c `z` and z_h HIDDEN_SHARE of it, given to the rule's plan."""
+    return Options(zoneout_cell=z, zoneout_hidden=round(z * HIDDEN_SHARE, 4))
 
 
 def grid_setting(z: float) -> str:
@@ -144,7 +127,8 @@ def defaults_loco(config: cb.BenchmarkConfig = cb.BenchmarkConfig(),
     total = len(corpora) * len(GRID)
     for i, (corpus, z) in enumerate(itertools.product(corpora, GRID)):
         rep.message(f"[grid {i + 1}/{total}] {corpus.name}, z_c {z:g}")
-        planned = _train(grid_setting(z), datas[corpus.name], 1, config, out / corpus.name, z, make_reporter)
+        planned = cb.train_once(grid_setting(z), datas[corpus.name], 1, config, out / corpus.name, make_reporter,
+                                zoneout(z))
         row = score_run(planned.run_dir, grid_setting(z), planned.spec.train.device)
         rows.append({**row, "corpus": corpus.name, "seed": 1, "zoneout_cell": z,
                      "epochs": planned.spec.rule.expected_epochs if planned.spec.rule else None})
@@ -161,23 +145,25 @@ def defaults_loco(config: cb.BenchmarkConfig = cb.BenchmarkConfig(),
         for seed in config.seeds:
             setting = grid_setting(z) if seed == 1 and z in GRID else f"heldout-zc{z:g}"
             rep.message(f"[held out] {corpus.name}: z_c {z:g} (chosen without it), seed {seed}")
-            planned = _train(setting, datas[corpus.name], seed, config, out / corpus.name, z, make_reporter)
+            planned = cb.train_once(setting, datas[corpus.name], seed, config, out / corpus.name, make_reporter,
+                                    zoneout(z))
             row = score_run(planned.run_dir, setting, planned.spec.train.device)
-            held.append({**row, "corpus": corpus.name, "seed": seed, "zoneout_cell": z, "setting": "held-out"})
+            held.append({**row, "corpus": corpus.name, "seed": seed, "zoneout_cell": z, "setting": HELD_OUT})
         for seed in config.seeds:
             rep.message(f"[baseline] {corpus.name}, seed {seed}")
             planned = cb.train_once("baseline", datas[corpus.name], seed, config, out / corpus.name, make_reporter)
             row = score_run(planned.run_dir, "baseline", planned.spec.train.device)
             held.append({**row, "corpus": corpus.name, "seed": seed, "setting": "baseline"})
     overall = fit(grid) if len(grid) > 1 else None
-    md = loco_markdown(config, infos, grid, folds, held, overall)
+    summary = summarize(held)
+    md = loco_markdown(config, infos, grid, folds, summary, overall)
     ckpt.write_json(out / "loco.json", {
         "recipe": NAME, "budget": config.budget(), "seeds": list(config.seeds), "grid_points": list(GRID),
         "hidden_share": HIDDEN_SHARE, "candidates": CANDIDATES, "corpora": infos,
         "grid": [asdict(g) for g in grid],
         "folds": {k: {"constants": asdict(c), "mean_valid": s} for k, (c, s) in folds.items()},
         "all_corpora": None if overall is None else {"constants": asdict(overall[0]), "mean_valid": overall[1]},
-        "summary": summarize(held), "grid_runs": rows, "runs": held})
+        "summary": summary, "grid_runs": rows, "runs": held})
     (out / "loco.md").write_text(md, encoding="utf-8")
     return RecipeResult(NAME, out, held, md, [out / "loco.json", out / "loco.md"])
 
@@ -186,35 +172,17 @@ def defaults_loco(config: cb.BenchmarkConfig = cb.BenchmarkConfig(),
 
 
 def summarize(held: list[dict]) -> list[dict]:
-    """Per corpus: held-out and baseline means over the seeds, Δ and whether the held-out
-    rule wins by cb.WIN_MARGIN on valid and test."""
-    out = []
-    for corpus in dict.fromkeys(r["corpus"] for r in held):
-        entry = {"corpus": corpus}
-        for setting, key in (("held-out", "heldout"), ("baseline", "baseline")):
-            mine = [r for r in held if r["corpus"] == corpus and r["setting"] == setting]
-            for split in ("valid", "test"):
-                vals = [r[f"{split}_bpc"] for r in mine if r.get(f"{split}_bpc") is not None]
-                entry[f"{key}_{split}"] = statistics.fmean(vals) if vals else None
-            if setting == "held-out" and mine:
-                entry["zoneout_cell"] = mine[0]["zoneout_cell"]
-        for split in ("valid", "test"):
-            a, b = entry[f"heldout_{split}"], entry[f"baseline_{split}"]
-            entry[f"delta_{split}"] = None if a is None or b is None else a - b
-        entry["wins"] = all(entry[f"delta_{s}"] is not None and entry[f"delta_{s}"] <= -cb.WIN_MARGIN
-                            for s in ("valid", "test"))
-        out.append(entry)
+    """Per corpus (`cb.summarize`): held-out and baseline means over the seeds, Δ and
+    whether the held-out rule wins by cb.WIN_MARGIN on valid and test; and its z_c."""
+    out = cb.summarize(held, (HELD_OUT, "baseline"))
+    for entry in out:
+        entry["zoneout_cell"] = next(r["zoneout_cell"] for r in held
+                                     if r["corpus"] == entry["corpus"] and r["setting"] == HELD_OUT)
     return out
 
 
-def _f(v, digits: int = 3, signed: bool = False) -> str:
-    if v is None:
-        return "-"
-    return f"{v:+.{digits}f}" if signed else f"{v:.{digits}f}"
-
-
 def loco_markdown(config: cb.BenchmarkConfig, infos: list[dict], grid: list[GridRow], folds: dict,
-                  held: list[dict], overall) -> str:
+                  summary: list[dict], overall) -> str:
     budget = (f"{config.max_steps:,} steps" if config.max_steps is not None else f"{config.minutes:g} minutes")
     lines = [f"Leave-one-corpus-out: the defaults rule's zoneout chosen without each corpus, scored on it "
              f"({budget} per run, seeds {', '.join(map(str, config.seeds))}; Δ = held out - baseline, a win "
@@ -222,18 +190,19 @@ def loco_markdown(config: cb.BenchmarkConfig, infos: list[dict], grid: list[Grid
              "| corpus | E | z_c held out | held-out valid | baseline valid | Δ valid | held-out test | "
              "baseline test | Δ test | win |", "|---|---|---|---|---|---|---|---|---|---|"]
     epochs = {g.corpus: g.epochs for g in grid}
-    for s in summarize(held):
-        lines.append(f"| {s['corpus']} | {epochs[s['corpus']]:.1f} | {s.get('zoneout_cell', 0):g} | "
-                     f"{_f(s['heldout_valid'])} | {_f(s['baseline_valid'])} | {_f(s['delta_valid'], signed=True)} | "
-                     f"{_f(s['heldout_test'])} | {_f(s['baseline_test'])} | {_f(s['delta_test'], signed=True)} | "
-                     f"{'yes' if s['wins'] else 'no'} |")
+    for s in summary:
+        cells = [s["corpus"], f"{epochs[s['corpus']]:.1f}", f"{s['zoneout_cell']:g}",
+                 cb.fmt(s["heldout_valid"]), cb.fmt(s["baseline_valid"]), cb.fmt(s["delta_valid"], signed=True),
+                 cb.fmt(s["heldout_test"]), cb.fmt(s["baseline_test"]), cb.fmt(s["delta_test"], signed=True),
+                 "yes" if s[HELD_OUT + "_win"] else "no"]
+        lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "The grid (seed 1, valid BPC by z_c; z_h = z_c x "
               f"{HIDDEN_SHARE:g}) and each fold's constants (chosen without the corpus):", "",
               "| corpus | E | " + " | ".join(f"z_c {z:g}" for z in GRID) + " | fold: start, full, cell |",
               "|---|---|" + "---|" * len(GRID) + "---|"]
     for g in grid:
         c = folds[g.corpus][0]
-        lines.append(f"| {g.corpus} | {g.epochs:.1f} | " + " | ".join(_f(g.valid.get(z)) for z in GRID)
+        lines.append(f"| {g.corpus} | {g.epochs:.1f} | " + " | ".join(cb.fmt(g.valid.get(z)) for z in GRID)
                      + f" | {c.start:g}, {c.full:g}, {c.cell:g} |")
     if overall is not None:
         c, s = overall
