@@ -11,7 +11,9 @@ import re
 
 import numpy as np
 import pytest
+import torch
 
+from zlm.core.graphs import CapturedStep
 from zlm.data.tokenizers import CharTokenizer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -199,3 +201,39 @@ def train_run(run_dir, data, model_config, train_config, *, resume: bool = False
     planned = plan(path, Options.of(model_config, train_config), out=run_dir, resume=resume, reporter=reporter,
                    preset=Preset("test", "the test's own configs", model_config, train_config))
     return Trainer(planned, reporter=reporter, fault=fault).fit()
+
+
+# ------------------------------------- CUDA graphs on the CPU (an eager stand-in)
+
+
+class EagerReplay(CapturedStep):
+    """CapturedStep with its four CUDA methods replaced: "capture" runs fn (after the same
+    warm-up calls, which draw random numbers the RNG restore must undo) and keeps its
+    outputs and gradients; "replay" reruns fn on the static inputs and writes the results
+    into those same tensors, as a CUDA graph replay writes into its static memory. All the
+    rest - copying inputs in, restoring the RNG and (after a whole step's warm-up) the
+    weights, reattaching gradients, the trainer's use of it - is the production code."""
+
+    def check_device(self, device):
+        pass
+
+    def get_rng_state(self):
+        return torch.get_rng_state()
+
+    def set_rng_state(self, state):
+        torch.set_rng_state(state)
+
+    def _capture(self):
+        for _ in range(self.warmup):
+            self._clear_grads()
+            self.fn(*self.static_inputs)
+        self._clear_grads()
+        return tuple(self.fn(*self.static_inputs))
+
+    def _replay(self):
+        self._clear_grads()
+        outputs = self.fn(*self.static_inputs)
+        for static, out in zip(self.static_outputs, outputs, strict=True):
+            static.copy_(out)
+        for g, p in zip(self.grads, self.params, strict=True):
+            g.copy_(p.grad)

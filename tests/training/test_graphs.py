@@ -16,14 +16,15 @@ from functools import partial
 import pytest
 import torch
 
-from conftest import train_run
+from conftest import EagerReplay, train_run
 from zlm.core.config import TrainConfig
+from zlm.core.graphs import CapturedStep
 from zlm.core.precision import Runtime
 from zlm.data.dataset import Dataset
 from zlm.errors import UsageError
 from zlm.model.cells import choose_cell
 from zlm.model.lm import ModelConfig, ZoneoutLM, token_nll
-from zlm.training.graphs import CapturedStep, WindowStep, graphs_unavailable_reason, resolve_graphs
+from zlm.training.graphs import WindowStep, graphs_unavailable_reason, resolve_graphs
 from zlm.training.step import forward_backward
 
 CPU = Runtime(torch.device("cpu"), "fp32")
@@ -120,39 +121,6 @@ def test_trainer_says_graphs_are_off_on_cpu(tiny_data, tmp_path):
 
 
 # ------------------------------------- the replay contract on the CPU (eager stand-in)
-
-
-class EagerReplay(CapturedStep):
-    """CapturedStep with its four CUDA methods replaced: "capture" runs fn (after the same
-    warm-up calls, which draw random numbers the RNG restore must undo) and keeps its
-    outputs and gradients; "replay" reruns fn on the static inputs and writes the results
-    into those same tensors, as a CUDA graph replay writes into its static memory. All the
-    rest - copying inputs in, restoring the RNG, reattaching gradients, the trainer's use
-    of it - is the production code."""
-
-    def check_device(self, device):
-        pass
-
-    def get_rng_state(self):
-        return torch.get_rng_state()
-
-    def set_rng_state(self, state):
-        torch.set_rng_state(state)
-
-    def _capture(self):
-        for _ in range(self.warmup):
-            self._clear_grads()
-            self.fn(*self.static_inputs)
-        self._clear_grads()
-        return tuple(self.fn(*self.static_inputs))
-
-    def _replay(self):
-        self._clear_grads()
-        outputs = self.fn(*self.static_inputs)
-        for static, out in zip(self.static_outputs, outputs, strict=True):
-            static.copy_(out)
-        for g, p in zip(self.grads, self.params, strict=True):
-            g.copy_(p.grad)
 
 
 def test_replayed_windows_equal_eager_ones_on_cpu(monkeypatch):

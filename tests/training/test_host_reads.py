@@ -74,7 +74,7 @@ def test_a_non_finite_step_is_skipped_on_the_device(tmp_path):
     """A NaN loss: the update is skipped (weights and optimizer state unchanged) without a
     host read, the carried state restarts from zero, and the flush counts it."""
     tr = _trainer(tmp_path)
-    tr.fault = lambda step, loss: loss * float("nan") if step == 3 else loss
+    tr.step_fn.fault = lambda step, loss: loss * float("nan") if step == 3 else loss
     from zlm.training.trainer import _Meter
 
     meter = _Meter(tr.state)

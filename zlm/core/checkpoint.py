@@ -294,7 +294,10 @@ def load(path: Path) -> Loaded:
 
 
 def flatten_optimizer(state: dict) -> tuple[dict[str, torch.Tensor], dict]:
-    """optimizer.state_dict() -> (tensors named state.<param>.<key>, JSON-able rest)."""
+    """optimizer.state_dict() -> (tensors named state.<param>.<key>, JSON-able rest).
+
+    A hyperparameter held as a one-element tensor (the learning rate of a step captured in
+    a CUDA graph) is saved as its number."""
     import torch
 
     tensors, scalars = {}, {}
@@ -304,7 +307,8 @@ def flatten_optimizer(state: dict) -> tuple[dict[str, torch.Tensor], dict]:
                 tensors[f"state.{pid}.{key}"] = value
             else:
                 scalars[f"{pid}.{key}"] = value
-    return tensors, {"param_groups": state["param_groups"], "scalars": scalars}
+    groups = [{k: v.item() if torch.is_tensor(v) else v for k, v in g.items()} for g in state["param_groups"]]
+    return tensors, {"param_groups": groups, "scalars": scalars}
 
 
 def unflatten_optimizer(tensors: dict[str, torch.Tensor], meta: dict) -> dict:

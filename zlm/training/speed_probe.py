@@ -2,9 +2,9 @@
 
 `zlm.training.plan` calls it for a run with a --time-budget, before the clock starts,
 so the rule (`zlm.training.defaults.decide`) knows how much text the budget buys. It
-times the step the run takes: the trainer's window (`forward_backward`, replayed from a
-CUDA graph where the run would be), clipping and the trainer's fused optimizer, on
-random tokens, after untimed warm-up steps; the global RNG is left as found.
+times the step the run takes: the trainer's `TrainStep` (replayed from a CUDA graph where
+the run would be), on random tokens, after untimed warm-up steps; the global RNG is left
+as found.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from zlm.core.precision import Runtime, resolve_device, resolve_precision
 from zlm.model.cells import choose_cell
 from zlm.model.lm import ModelConfig, ZoneoutLM
 from zlm.training.defaults import CUDA_BATCHES, GpuSpeeds
-from zlm.training.graphs import WindowStep, graphs_unavailable_reason, resolve_graphs
-from zlm.training.step import build_optimizer, forward_backward
+from zlm.training.distributed import Parallel
+from zlm.training.graphs import graphs_unavailable_reason, resolve_graphs
+from zlm.training.step import TrainStep, build_optimizer, step_mode
 
 
 def probe_tokens_per_s(model: ModelConfig, train: TrainConfig, seconds: float = 2.0,
@@ -37,19 +38,13 @@ def probe_tokens_per_s(model: ModelConfig, train: TrainConfig, seconds: float = 
         scaler = runtime.grad_scaler()
         graphs, _ = resolve_graphs(train.cuda_graphs, graphs_unavailable_reason(
             runtime, cell.name, 1, scaler.is_enabled()))
-        params = list(lm.parameters())
-        window = WindowStep(lambda x, y, h0, c0: forward_backward(lm, runtime, scaler, x, y, h0, c0,
-                                                                  cache=not graphs), params, graphs=graphs)
+        train_step = TrainStep(lm, runtime, scaler, opt, Parallel(), 1.0, mode=step_mode(graphs, opt))
         x = torch.randint(model.vocab_size, (train.bptt + 1, train.batch_size), device=device)
         state = lm.initial_state(train.batch_size, device)
+        lm.train()
 
-        def step():  # the trainer's step: window, clip, update
-            window(x[:-1], x[1:], state)
-            scaler.unscale_(opt)
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad(set_to_none=True)
+        def step():
+            train_step(x[:-1], x[1:], state, 1e-4)
 
         for _ in range(3 if graphs else 1):  # graphs: warm-up and capture
             step()

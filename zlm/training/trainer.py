@@ -7,8 +7,8 @@ hidden state, so `--resume` continues exactly: a run of 2N steps and a run of N 
 resume + N steps produce bit-identical losses on CPU.
 
 Parallelism (DDP, ZeRO), precision (autocast, GradScaler) and CUDA graphs are applied
-from outside the model: `distributed.setup` wraps it, `Runtime` casts, `WindowStep`
-replays `forward_backward` from a graph.
+from outside the model: `distributed.setup` wraps it, `Runtime` casts, `TrainStep`
+(`zlm.training.step`) runs the step and replays it from a CUDA graph.
 """
 
 from __future__ import annotations
@@ -35,14 +35,14 @@ from zlm.model.cells.masks import mix_words
 from zlm.model.lm import State, ZoneoutLM
 from zlm.training import distributed
 from zlm.training.averaging import WeightAverage
-from zlm.training.graphs import WindowStep, graphs_unavailable_reason, resolve_graphs
+from zlm.training.graphs import graphs_unavailable_reason, resolve_graphs
 from zlm.training.init_from import load_parent_weights
 from zlm.training.plan import Plan
 from zlm.training.resolve import cell_for
 from zlm.training.run_dir import RunDir
 from zlm.training.schedule import LRSchedule
 from zlm.training.state import Checkpointer, RNGState, TrainState
-from zlm.training.step import build_optimizer, forward_backward
+from zlm.training.step import TrainStep, build_optimizer, describe_mode, step_mode
 
 RESIDENT_SHARE = 0.25  # of free device memory the training split may take to live there
 GAP_TOKENS = 50_000  # train tokens scored at each validation for the generalisation gap (at most)
@@ -70,7 +70,7 @@ class Trainer:
             plan = par.broadcast_object(plan if par.is_main else None)
         spec = self.spec = replace(plan.spec, world_size=par.world)
         cfg = self.cfg = spec.train
-        self.run_dir, self.fault = plan.run_dir, fault
+        self.run_dir = plan.run_dir
         self.data = data = Dataset.open(spec.data.path)
         self.rep = reporter if reporter is not None and par.is_main else Reporter()
         self.resolved = spec.resolved
@@ -97,10 +97,12 @@ class Trainer:
         self.checkpointer = Checkpointer(self.run_dir, self.config, data, par, cfg.keep_last)
         self.resumed_from = self._load(plan.resume_from) if plan.resume_from is not None else None
         self.log = self.run.open(self.config) if par.is_main else None
-        self.use_graphs, self.graphs_line = resolve_graphs(cfg.cuda_graphs, graphs_unavailable_reason(
+        self.use_graphs, graphs_line = resolve_graphs(cfg.cuda_graphs, graphs_unavailable_reason(
             self.runtime, self.cell.name, par.world, self.scaler.is_enabled(), hooked=fault is not None))
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.window = WindowStep(self._forward_backward, params, graphs=self.use_graphs)
+        mode = step_mode(self.use_graphs, self.optimizer)
+        self.graphs_line = f"{graphs_line}: {describe_mode(mode)}" if self.use_graphs else graphs_line
+        self.step_fn = TrainStep(self.ddp_model, self.runtime, self.scaler, self.optimizer, par, cfg.clip,
+                              mode=mode, fault=fault)
         info = data.split_info("train")
         self.chars_per_token = info.characters / max(info.tokens, 1)
         self.bytes_per_token = info.bytes / max(info.tokens, 1)
@@ -155,12 +157,12 @@ class Trainer:
         return self.cfg.time_budget is not None and s.elapsed >= self.cfg.time_budget
 
     def train_step(self, batch: Batch) -> StepResult:
-        """One optimizer step on one TBPTT window: schedule, forward, loss, backward, clip, update.
+        """One optimizer step on one TBPTT window (`TrainStep`) at the schedule's learning rate.
 
         Nothing here reads a tensor on the host: the loss, gradient norm and finite flag
         stay on the device until `_flush` reads a batch of steps, and a non-finite step is
         skipped on the device (the fused optimizer's `found_inf`, or fp16's GradScaler)."""
-        s, par = self.state, self.par
+        s = self.state
         x, y = batch.inputs, batch.targets  # (T, B) each
         if self.pin:  # host windows: copied from pinned memory while the device works
             x, y = x.pin_memory(), y.pin_memory()
@@ -168,29 +170,10 @@ class Trainer:
         y = y.to(self.runtime.device, non_blocking=True)
         carried = self._carried_for(batch, x.shape[1])
         lr = self.schedule.lr(s.step, s.elapsed)
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr
         self.ddp_model.train()
-        loss, new_state = self.window(x, y, carried)  # forward + loss + backward (maybe a graph replay)
-        self.scaler.unscale_(self.optimizer)
-        clip = self.cfg.clip if self.cfg.clip > 0 else math.inf
-        gnorm = torch.nn.utils.clip_grad_norm_(self.window.params, clip).float()
-        bad = (~(torch.isfinite(loss) & torch.isfinite(gnorm))).float()
-        # One all-reduce: every rank takes the same skip decision (ZeRO's step is a
-        # collective) and rank 0 logs the mean loss over all ranks' streams.
-        summed = par.sum_(torch.stack([loss.float(), bad]))
-        finite = summed[1] == 0
-        if not self.scaler.is_enabled():  # the fp16 scaler sets found_inf itself
-            local = par.local_optimizer(self.optimizer)
-            local.grad_scale, local.found_inf = None, (~finite).float()
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
+        numbers, self.carried = self.step_fn(x, y, carried, lr, s.step)  # maybe one graph replay
         s.step += 1
         s.epoch = self.streams.progress
-        # A poisoned state restarts from zero, as a reset does.
-        self.carried = tuple(torch.where(finite, t, torch.zeros_like(t)) for t in new_state)
-        numbers = torch.stack([summed[0] / par.world, loss.float(), gnorm, finite.float()])
         return StepResult(s.step, numbers, y.numel(), lr)
 
     def progress(self) -> float | None:
@@ -229,10 +212,6 @@ class Trainer:
                     f"{RESIDENT_SHARE:.0%} of free device memory)"), True
         self.streams.make_resident(device)
         return f"resident on {device} ({need / 2**20:,.0f} MiB)", False
-
-    def _forward_backward(self, x, y, h0, c0):
-        return forward_backward(self.ddp_model, self.runtime, self.scaler, x, y, h0, c0,
-                                cache=not self.use_graphs, fault=self.fault, step=self.state.step)
 
     def _carried_for(self, batch: Batch, streams: int) -> State:
         """The state this window starts from: zero at a reset, else carried (--reset-prob)."""
@@ -319,7 +298,7 @@ class Trainer:
         if self.state.step % self.cfg.log_every == 0:
             self._flush(meter)
             if meter.tokens:
-                rec = meter.record(self.state, self.optimizer.param_groups[0]["lr"], self.total_steps,
+                rec = meter.record(self.state, r.lr, self.total_steps,
                                    self.cfg.time_budget, self.chars_per_token, self.par.world)
                 if self.par.is_main:
                     self.log.write("train", **rec)
