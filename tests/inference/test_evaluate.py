@@ -181,3 +181,68 @@ def test_split_evaluation_needs_the_training_data(run, tmp_path):
         lm.evaluate_split("valid")
     lm.spec = replace(lm.spec, data=replace(lm.spec.data, path=str(data)))
     assert lm.evaluate_split("test").tokens == Dataset.open(data).split_info("test").tokens - 1
+
+
+def test_graph_replayed_windows_equal_eager_ones(run, monkeypatch):
+    """The CUDA-graph path of evaluation (forced on the CPU with the eager stand-in of a
+    capture): every window shape captured once, the same nats bit for bit; a capture that
+    fails warns and leaves the evaluation eager with the same result."""
+    from conftest import EagerReplay
+    from zlm.core.eval_protocol import EvalWindows
+
+    lm = load(run)
+    tokens = Dataset.open(run.parent / "data").tokens("valid")
+    protocol = EvalProtocol(7, bptt=50)  # 7 streams, a shorter last window, a tail stream
+    eager = evaluate_predictions(lm.model, tokens, lm.runtime, protocol, graphs=False)
+    made = []
+
+    class Counting(EagerReplay):
+        def __init__(self, *a, **k):
+            made.append(self)
+            super().__init__(*a, **k)
+
+    monkeypatch.setattr(EvalWindows, "capture", Counting)
+    assert evaluate_predictions(lm.model, tokens, lm.runtime, protocol, graphs=True) == eager
+    assert 3 <= len(made) <= EvalWindows.MAX_SHAPES
+
+    def broken(*a, **k):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(EvalWindows, "capture", broken)
+    with pytest.warns(UserWarning, match="evaluation runs eagerly"):
+        assert evaluate_predictions(lm.model, tokens, lm.runtime, protocol, graphs=True) == eager
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_graph_replayed_evaluation_cuda(precision):
+    """On CUDA with the fused cell: replayed windows give the eager nats (1e-6 relative in
+    fp32; bf16's matmuls may pick other kernels inside a capture: 1e-3)."""
+    from zlm.core.eval_protocol import EvalWindows
+    from zlm.core.precision import Runtime
+    from zlm.model.cells import choose_cell
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=40, hidden=64, layers=2, embed=16, zoneout_cell=0.5, zoneout_hidden=0.05)
+    model = ZoneoutLM(cfg, choose_cell("auto", "cuda").fn).cuda().eval()
+    tokens = np.random.default_rng(0).integers(0, 40, 5_000).astype(np.uint8)
+    rt = Runtime(torch.device("cuda"), precision)
+    protocol = EvalProtocol(16, bptt=64)
+    eager, n = evaluate_predictions(model, tokens, rt, protocol, graphs=False)
+    made = []
+    original = EvalWindows.capture
+
+    class Counting(original):
+        def __init__(self, *a, **k):
+            made.append(self)
+            super().__init__(*a, **k)
+
+    EvalWindows.capture = Counting
+    try:
+        graphed, m = evaluate_predictions(model, tokens, rt, protocol)
+    finally:
+        EvalWindows.capture = original
+    assert m == n and made
+    assert graphed == pytest.approx(eager, rel=1e-6 if precision == "fp32" else 1e-3)

@@ -47,6 +47,37 @@ def test_step_matches_the_models_forward(layers, zoneout):
     torch.testing.assert_close(step.c, cT, atol=1e-5, rtol=1e-5)
 
 
+
+def test_graph_replayed_step_equals_the_eager_one(monkeypatch):
+    """The "torch" step replayed from a CUDA graph (forced on the CPU with the eager
+    stand-in of a capture): the same logits and state bit for bit, the capture's warm-up
+    steps undone, one capture until the weights are reloaded."""
+    from conftest import EagerReplay
+
+    made = []
+
+    class Counting(EagerReplay):
+        def __init__(self, *a, **k):
+            made.append(self)
+            super().__init__(*a, **k)
+
+    monkeypatch.setattr(Stepper, "capture", Counting)
+    model = make_lm(layers=2, zoneout_cell=0.5, zoneout_hidden=0.05).model
+    tokens = torch.randint(0, model.config.vocab_size, (12, 3))
+    h0, c0 = torch.randn(2, 3, 24) * 0.5, torch.randn(2, 3, 24) * 0.5
+    runs = []
+    with torch.no_grad():
+        for graphs in (False, True):
+            step = Stepper(model, 3, kernel="torch", graphs=graphs)
+            step.set_state(h0, c0)
+            out = torch.empty(3, model.config.vocab_size)
+            logits = [step(tokens[t], out=out).clone() for t in range(6)]
+            step.load_weights(model)
+            logits += [step(tokens[t]).clone() for t in range(6, 12)]
+            runs.append((torch.stack(logits), step.h.clone(), step.c.clone()))
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+    assert len(made) == 2  # once, and again after load_weights
+
 def test_same_seed_same_text_and_batches():
     lm = make_lm()
     a = generate(lm, SampleConfig(length=60, prime="the ", seed=5))
@@ -232,3 +263,20 @@ def test_streaming_reads_tokens_back_once_per_chunk_where_asked(tmp_path, monkey
     monkeypatch.setattr(torch.Tensor, "tolist", tolist)
     assert got == whole and "".join(pieces) == "the " + whole
     assert reads["n"] == -(-100 // 16) + 1  # one per chunk of 16 tokens, and the final collection
+
+
+@pytest.mark.gpu
+def test_graph_replayed_step_cuda():
+    """On CUDA the Stepper replays its step from a CUDA graph: the logits of the eager step
+    to 1e-5, and sampling with a seed gives the same text either way."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    model = make_lm(layers=2, zoneout_cell=0.5, zoneout_hidden=0.05).model.cuda()
+    tokens = torch.randint(0, model.config.vocab_size, (20, 4), device="cuda")
+    runs = []
+    with torch.no_grad():
+        for graphs in (False, True):
+            step = Stepper(model, 4, graphs=graphs)
+            assert step.kernel == "torch" and step.graphs == graphs
+            runs.append(torch.stack([step(tokens[t]).clone() for t in range(20)]))
+    torch.testing.assert_close(runs[1], runs[0], rtol=1e-5, atol=1e-5)

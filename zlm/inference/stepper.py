@@ -26,6 +26,8 @@ runs when: docs/kernels.md):
   call of the compiled element-wise step (`forward_step`). It runs fp64 models, and
   `zlm compress` records and replays it.
 - "torch": ~20 small torch ops per layer, where there is no compiled extension, and on CUDA.
+  On CUDA the step is captured into a CUDA graph once (`zlm.core.graphs.CapturedStep`;
+  it writes only into the buffers here) and replayed per token: one launch, not ~45.
 
 Each is checked against the model's forward (tests/inference/test_stepper_compiled.py,
 tests/inference/test_sample.py).
@@ -36,6 +38,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from zlm.core.graphs import CapturedStep
 from zlm.model.cells.cpu_ext import load_extension
 from zlm.model.cells.kernel_constants import DECODER_TILE, DECODER_UNITS
 from zlm.model.lm import ZoneoutLM
@@ -79,8 +82,10 @@ class Stepper:
     The weights are copied: after changing the model's, call `load_weights`.
     """
 
+    capture = CapturedStep  # tests substitute an eager stand-in
+
     def __init__(self, model: ZoneoutLM, batch: int, lp: bool = False, kernel: str = "auto",
-                 threads: int | None = None):
+                 threads: int | None = None, graphs: bool | None = None):
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
         cfg = model.config
@@ -110,11 +115,15 @@ class Stepper:
             # Views fixed once: sigmoid over i, f, o (B, 3H), tanh over g (B, H).
             self.views = [(g[:, : 3 * H], g[:, 3 * H :], g[:, :H], g[:, H : 2 * H], g[:, 2 * H : 3 * H],
                            g[:, 3 * H :]) for g in self.gates]
+        # graphs: replay the "torch" step from a CUDA graph (None: on CUDA)
+        self.graphs = self.kernel == "torch" and (dev.type == "cuda" if graphs is None else graphs)
+        self.graph: CapturedStep | None = None
         self.load_weights(model)
 
     @torch.no_grad()
     def load_weights(self, model: ZoneoutLM) -> None:
         """(Re)derive the step's weight layouts from `model` (after its weights changed)."""
+        self.graph = None  # captured over the old layouts: captured again at the next step
         if self.kernel == "decode":
             self.decoder = self._pack_decoder(model)
             return
@@ -164,8 +173,22 @@ class Stepper:
         if self.kernel == "decode":
             self.decoder.step(tok if tok.dtype == torch.long else tok.long(), out)
             return out
+        if self.graphs:
+            if self.graph is None:
+                self.graph = self.capture(lambda t: (self._step(t, self.logits),), (tok,),
+                                          snapshot=self._keep_state)
+            (logits,) = self.graph(tok)
+            return out if out is logits else out.copy_(logits)
+        return self._step(tok, out)
+
+    def _step(self, tok: Tensor, out: Tensor) -> Tensor:
         x = self._layers_compiled(tok) if self.ext is not None else self._layers_torch(tok)
         return torch.addmm(self.dec_b, x, self.dec_w, out=out)
+
+    def _keep_state(self):
+        """The state now; the result puts it back (after a capture's warm-up steps)."""
+        h, c = self.h.clone(), self.c.clone()
+        return lambda: (self.h.copy_(h), self.c.copy_(c))
 
     def _layers_compiled(self, tok: Tensor) -> Tensor:
         for k, g in enumerate(self.gates):
