@@ -7,7 +7,7 @@ Three implementations of the same character language model (embedding -> one LST
 - `reference`: `zlm.model.ZoneoutLM` with the reference cell, zoneout z_c 0.5, z_h 0.05;
 - `fused`: the same model with the cell `choose_cell("fused", device)` picks;
 - `fused+graphs` (CUDA only): the fused model with each window's forward (and backward)
-  replayed from a CUDA graph (`zlm.training.graphs.CapturedStep`), as `zlm train` runs it.
+  replayed from a CUDA graph (`zlm.core.graphs.CapturedStep`), as `zlm train` runs it.
 
 Phases: `train` (forward, backward; no optimizer step), `infer` (no_grad forward), both
 over (T, B) windows with the state carried; `model` (nn.LSTM and fused only: a whole
@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zlm.core.graphs import CapturedStep
 from zlm.core.precision import cpu_bf16_native, resolve_precision
 from zlm.errors import UsageError
 from zlm.inference.stepper import Stepper
@@ -44,7 +45,6 @@ from zlm.model.cells import choose_cell
 from zlm.model.cells.masks import draw_keep
 from zlm.model.cells.reference import zoneout_lstm_reference
 from zlm.model.lm import ModelConfig, ZoneoutLM
-from zlm.training.graphs import CapturedStep
 
 IMPLS = ("nn.LSTM", "reference", "fused")
 GRAPHED = "fused+graphs"  # CUDA only
