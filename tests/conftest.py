@@ -237,3 +237,14 @@ class EagerReplay(CapturedStep):
             static.copy_(out)
         for g, p in zip(self.grads, self.params, strict=True):
             g.copy_(p.grad)
+
+
+def counting(cls: type, made: list) -> type:
+    """A subclass of cls (a capture class) that appends each instance to `made`."""
+
+    class Counting(cls):
+        def __init__(self, *a, **k):
+            made.append(self)
+            super().__init__(*a, **k)
+
+    return Counting

@@ -187,7 +187,7 @@ def test_graph_replayed_windows_equal_eager_ones(run, monkeypatch):
     """The CUDA-graph path of evaluation (forced on the CPU with the eager stand-in of a
     capture): every window shape captured once, the same nats bit for bit; a capture that
     fails warns and leaves the evaluation eager with the same result."""
-    from conftest import EagerReplay
+    from conftest import EagerReplay, counting
     from zlm.core.eval_protocol import EvalWindows
 
     lm = load(run)
@@ -195,13 +195,7 @@ def test_graph_replayed_windows_equal_eager_ones(run, monkeypatch):
     protocol = EvalProtocol(7, bptt=50)  # 7 streams, a shorter last window, a tail stream
     eager = evaluate_predictions(lm.model, tokens, lm.runtime, protocol, graphs=False)
     made = []
-
-    class Counting(EagerReplay):
-        def __init__(self, *a, **k):
-            made.append(self)
-            super().__init__(*a, **k)
-
-    monkeypatch.setattr(EvalWindows, "capture", Counting)
+    monkeypatch.setattr(EvalWindows, "capture", counting(EagerReplay, made))
     assert evaluate_predictions(lm.model, tokens, lm.runtime, protocol, graphs=True) == eager
     assert 3 <= len(made) <= EvalWindows.MAX_SHAPES
 
@@ -218,6 +212,7 @@ def test_graph_replayed_windows_equal_eager_ones(run, monkeypatch):
 def test_graph_replayed_evaluation_cuda(precision):
     """On CUDA with the fused cell: replayed windows give the eager nats (1e-6 relative in
     fp32; bf16's matmuls may pick other kernels inside a capture: 1e-3)."""
+    from conftest import counting
     from zlm.core.eval_protocol import EvalWindows
     from zlm.core.precision import Runtime
     from zlm.model.cells import choose_cell
@@ -233,13 +228,7 @@ def test_graph_replayed_evaluation_cuda(precision):
     eager, n = evaluate_predictions(model, tokens, rt, protocol, graphs=False)
     made = []
     original = EvalWindows.capture
-
-    class Counting(original):
-        def __init__(self, *a, **k):
-            made.append(self)
-            super().__init__(*a, **k)
-
-    EvalWindows.capture = Counting
+    EvalWindows.capture = counting(original, made)
     try:
         graphed, m = evaluate_predictions(model, tokens, rt, protocol)
     finally:

@@ -52,16 +52,10 @@ def test_graph_replayed_step_equals_the_eager_one(monkeypatch):
     """The "torch" step replayed from a CUDA graph (forced on the CPU with the eager
     stand-in of a capture): the same logits and state bit for bit, the capture's warm-up
     steps undone, one capture until the weights are reloaded."""
-    from conftest import EagerReplay
+    from conftest import EagerReplay, counting
 
     made = []
-
-    class Counting(EagerReplay):
-        def __init__(self, *a, **k):
-            made.append(self)
-            super().__init__(*a, **k)
-
-    monkeypatch.setattr(Stepper, "capture", Counting)
+    monkeypatch.setattr(Stepper, "capture", counting(EagerReplay, made))
     model = make_lm(layers=2, zoneout_cell=0.5, zoneout_hidden=0.05).model
     tokens = torch.randint(0, model.config.vocab_size, (12, 3))
     h0, c0 = torch.randn(2, 3, 24) * 0.5, torch.randn(2, 3, 24) * 0.5
