@@ -188,21 +188,21 @@ def test_graph_replayed_windows_equal_eager_ones(run, monkeypatch):
     capture): every window shape captured once, the same nats bit for bit; a capture that
     fails warns and leaves the evaluation eager with the same result."""
     from conftest import EagerReplay, counting
-    from zlm.core.eval_protocol import EvalWindows
+    from zlm.core import graphs
 
     lm = load(run)
     tokens = Dataset.open(run.parent / "data").tokens("valid")
     protocol = EvalProtocol(7, bptt=50)  # 7 streams, a shorter last window, a tail stream
     eager = evaluate_predictions(lm.model, tokens, lm.runtime, protocol, graphs=False)
     made = []
-    monkeypatch.setattr(EvalWindows, "capture", counting(EagerReplay, made))
+    monkeypatch.setattr(graphs.WindowStep, "capture", counting(EagerReplay, made))
     assert evaluate_predictions(lm.model, tokens, lm.runtime, protocol, graphs=True) == eager
-    assert 3 <= len(made) <= EvalWindows.MAX_SHAPES
+    assert 3 <= len(made) <= graphs.MAX_SHAPES
 
     def broken(*a, **k):
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    monkeypatch.setattr(EvalWindows, "capture", broken)
+    monkeypatch.setattr(graphs.WindowStep, "capture", broken)
     with pytest.warns(UserWarning, match="evaluation runs eagerly"):
         assert evaluate_predictions(lm.model, tokens, lm.runtime, protocol, graphs=True) == eager
 
@@ -213,7 +213,7 @@ def test_graph_replayed_evaluation_cuda(precision):
     """On CUDA with the fused cell: replayed windows give the eager nats (1e-6 relative in
     fp32; bf16's matmuls may pick other kernels inside a capture: 1e-3)."""
     from conftest import counting
-    from zlm.core.eval_protocol import EvalWindows
+    from zlm.core import graphs
     from zlm.core.precision import Runtime
     from zlm.model.cells import choose_cell
 
@@ -227,11 +227,11 @@ def test_graph_replayed_evaluation_cuda(precision):
     protocol = EvalProtocol(16, bptt=64)
     eager, n = evaluate_predictions(model, tokens, rt, protocol, graphs=False)
     made = []
-    original = EvalWindows.capture
-    EvalWindows.capture = counting(original, made)
+    original = graphs.WindowStep.capture
+    graphs.WindowStep.capture = counting(original, made)
     try:
         graphed, m = evaluate_predictions(model, tokens, rt, protocol)
     finally:
-        EvalWindows.capture = original
+        graphs.WindowStep.capture = original
     assert m == n and made
     assert graphed == pytest.approx(eager, rel=1e-6 if precision == "fp32" else 1e-3)

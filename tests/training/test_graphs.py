@@ -18,13 +18,13 @@ import torch
 
 from conftest import EagerReplay, train_run
 from zlm.core.config import TrainConfig
-from zlm.core.graphs import CapturedStep
+from zlm.core.graphs import CapturedStep, WindowStep
 from zlm.core.precision import Runtime
 from zlm.data.dataset import Dataset
 from zlm.errors import UsageError
 from zlm.model.cells import choose_cell
 from zlm.model.lm import ModelConfig, ZoneoutLM, token_nll
-from zlm.training.graphs import WindowStep, graphs_unavailable_reason, resolve_graphs
+from zlm.training.graphs import graphs_unavailable_reason, resolve_graphs
 from zlm.training.step import forward_backward
 
 CPU = Runtime(torch.device("cpu"), "fp32")
@@ -127,7 +127,7 @@ def test_replayed_windows_equal_eager_ones_on_cpu(monkeypatch):
     """Windows of two shapes, state carried, grads set to None between steps (as the
     trainer does): replay == eager bit for bit, one capture per shape, eager beyond."""
     monkeypatch.setattr(WindowStep, "capture", EagerReplay)
-    monkeypatch.setattr("zlm.training.graphs.MAX_SHAPES", 2)
+    monkeypatch.setattr("zlm.core.graphs.MAX_SHAPES", 2)
     eager_m, graph_m = _model("cpu"), _model("cpu")
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     eager, graphed = window_step(eager_m, CPU, scaler), window_step(graph_m, CPU, scaler, graphs=True)

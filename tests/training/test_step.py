@@ -18,11 +18,11 @@ import torch
 
 from conftest import EagerReplay
 from zlm.core.config import TrainConfig
+from zlm.core.graphs import WindowStep
 from zlm.core.precision import Runtime
 from zlm.model.cells import choose_cell
 from zlm.model.lm import ModelConfig, ZoneoutLM, token_nll
 from zlm.training.distributed import Parallel
-from zlm.training.graphs import WindowStep
 from zlm.training.step import TrainStep, build_optimizer, describe_mode, step_mode
 
 CPU = Runtime(torch.device("cpu"), "fp32")
@@ -98,7 +98,7 @@ def test_eager_step_is_the_step_written_out():
 def _run(mode, monkeypatch, fault=None, preload=None):
     """SHAPES windows through a TrainStep; -> (numbers, states, model, optimizer)."""
     monkeypatch.setattr(WindowStep, "capture", EagerReplay)
-    monkeypatch.setattr("zlm.training.graphs.MAX_SHAPES", 2)
+    monkeypatch.setattr("zlm.core.graphs.MAX_SHAPES", 2)
     model, opt, step = _setup(mode=mode, fault=fault, preload=preload)
     s, out = model.initial_state(3), []
     for k, (T, lr) in enumerate(zip(SHAPES, LRS, strict=True)):

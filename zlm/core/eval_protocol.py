@@ -23,20 +23,19 @@ single-stream number pass --batch-size 1.
 Under DDP the streams are divided among ranks and the sums are all-reduced, so the
 result does not depend on the world size.
 
-On CUDA each window shape's forward and loss are replayed from a CUDA graph (`EvalWindows`):
+On CUDA each window shape's forward and loss are replayed from a CUDA graph (`WindowStep`):
 one launch per window instead of a few per timestep; the eager forward is the reference
 (tests/inference/test_evaluate.py checks the replay path against it bit for bit on the CPU).
 """
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from zlm.core.graphs import CapturedStep
+from zlm.core.graphs import WindowStep
 from zlm.core.metrics import Score
 from zlm.core.precision import Runtime
 from zlm.data.streams import read_window
@@ -88,56 +87,26 @@ def _windows(tokens: np.ndarray, starts: np.ndarray, length: int, bptt: int, dev
         yield window[:-1], window[1:]
 
 
-class EvalWindows:
-    """(inputs, targets, state) -> (summed NLL of the window, final state), in eval mode.
+def _window_step(model: ZoneoutLM, runtime: Runtime, graphs: bool) -> WindowStep:
+    """(inputs, targets, state) -> (summed NLL of the window, final state), in eval mode;
+    each window shape (the streams' full and last windows, the tail stream's) replayed from
+    a CUDA graph with `graphs` (a failed capture warns and evaluates eagerly)."""
 
-    With `graphs`, each window shape (the streams' full and last windows, the tail
-    stream's) is captured into a CUDA graph once and replayed after (MAX_SHAPES at most);
-    a capture that fails leaves that evaluation eager, with a warning. Without, the
-    model's forward runs as is.
-    """
+    def window(inputs, targets, h0, c0):
+        with runtime.autocast(cache=not graphs):  # autocast's weight cache must not outlive a capture
+            logits, (h, c) = model(inputs, (h0, c0))
+        return token_nll(logits, targets), h, c
 
-    MAX_SHAPES = 4
-    capture = CapturedStep  # tests substitute an eager stand-in
-
-    def __init__(self, model: ZoneoutLM, runtime: Runtime, graphs: bool):
-        self.model, self.runtime, self.graphs = model, runtime, graphs
-        self.captured: dict[tuple, CapturedStep] = {}
-        self.replays = 0
-
-    def __call__(self, inputs, targets, state):
-        if not self.graphs:
-            return self._forward(inputs, targets, state)
-        if state is None:  # what the model starts from without one
-            state = self.model.initial_state(inputs.shape[1], inputs.device, self.model.embedding.weight.dtype)
-        key = (tuple(inputs.shape), tuple(state[0].shape), state[0].dtype)
-        graph = self.captured.get(key)
-        if graph is None and len(self.captured) < self.MAX_SHAPES:
-            try:
-                graph = self.captured[key] = self.capture(self._graphed, (inputs, targets, *state))
-            except RuntimeError as e:  # never lose an evaluation to a capture
-                warnings.warn(f"evaluation runs eagerly: a CUDA graph capture failed ({e})", stacklevel=2)
-                self.graphs = False
-        if graph is None:
-            return self._forward(inputs, targets, state)
-        nll, h, c = graph(inputs, targets, *state)
-        self.replays += 1
-        return nll.clone(), (h.clone(), c.clone())
-
-    def _forward(self, inputs, targets, state, cache: bool = True):
-        with self.runtime.autocast(cache=cache):
-            logits, state = self.model(inputs, state)
-        return token_nll(logits, targets), state
-
-    def _graphed(self, inputs, targets, h0, c0):
-        nll, (h, c) = self._forward(inputs, targets, (h0, c0), cache=False)
-        return nll, h, c
+    return WindowStep(window, graphs=graphs, fallback="evaluation")
 
 
-def _run(windows, state, step: EvalWindows, device) -> tuple[float, tuple]:
-    """Sum of NLL over windows, carrying state (one device sync at the end)."""
+def _run(windows, state, step: WindowStep, model: ZoneoutLM, device) -> tuple[float, tuple]:
+    """Sum of NLL over windows, carrying state (one device sync at the end); state None:
+    the model's initial state."""
     nats = torch.zeros((), dtype=torch.float64, device=device)
     for inputs, targets in windows:
+        if state is None:
+            state = model.initial_state(inputs.shape[1], device, model.embedding.weight.dtype)
         nll, state = step(inputs, targets, state)
         nats += nll.double()
     return float(nats), state
@@ -156,7 +125,7 @@ def evaluate_predictions(
     """Summed NLL in nats over this rank's share of the N-1 predictions, and their count.
 
     tokens: (N,) any integer dtype; a memory map is read window by window. graphs: replay
-    the windows from CUDA graphs (`EvalWindows`); None: on CUDA.
+    the windows from CUDA graphs (`WindowStep`); None: on CUDA.
     """
     was_training = model.training
     model.eval()
@@ -167,16 +136,16 @@ def evaluate_predictions(
     L = n // S
     mine = np.array_split(np.arange(S), world)[rank]  # this rank's stream indices
     dev = runtime.device
-    step = EvalWindows(model, runtime, dev.type == "cuda" if graphs is None else graphs)
+    step = _window_step(model, runtime, dev.type == "cuda" if graphs is None else graphs)
     nats, count, state = 0.0, 0, None
     if len(mine):
-        nats, state = _run(_windows(tokens, mine * L, L, protocol.bptt, dev), None, step, dev)
+        nats, state = _run(_windows(tokens, mine * L, L, protocol.bptt, dev), None, step, model, dev)
         count = L * len(mine)
     tail = n - S * L
     if tail and len(mine) and mine[-1] == S - 1:  # continue the last stream to the end
         last = (state[0][:, -1:].contiguous(), state[1][:, -1:].contiguous())
         rest = _windows(tokens, np.array([S * L]), tail, protocol.bptt, dev)
-        more, _ = _run(rest, last, step, dev)
+        more, _ = _run(rest, last, step, model, dev)
         nats += more
         count += tail
     model.train(was_training)

@@ -3,9 +3,10 @@
 Small steps are launch-bound on a GPU: a training window launches a few kernels per
 timestep, a sampling step ~20 small ops per layer, each costing a few microseconds of CPU
 time while the GPU finishes it in less. `CapturedStep` records such a function once into a
-CUDA graph and replays it with one launch: training steps (`zlm.training.graphs`),
-validation and evaluation windows (`zlm.core.eval_protocol`) and the sampling step
-(`zlm.inference.stepper`) use it.
+CUDA graph and replays it with one launch; `WindowStep` keeps one per window shape of a
+sequence. Training steps (`zlm.training.step`) and evaluation windows
+(`zlm.core.eval_protocol`) use `WindowStep`, the sampling step (`zlm.inference.stepper`)
+`CapturedStep`.
 
 Rules the captured function keeps: no host synchronisation (no .item(), no data-dependent
 Python branches), fixed shapes, and memory it writes outside its own allocations stays
@@ -16,10 +17,13 @@ graph's RNG ops read the generator's seed and offset at each replay).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
+
+MAX_SHAPES = 4  # graphs kept per WindowStep (window shapes); others run eagerly
 
 # snapshot() -> restore(): taken before a capture's warm-up, called after the capture, for
 # a captured fn that changes state when run (a whole training step moves the weights).
@@ -96,3 +100,50 @@ class CapturedStep:
         for p, g in zip(self.params, self.grads, strict=True):
             p.grad = g
         return self.static_outputs
+
+
+class WindowStep:
+    """`fn(x, y, h0, c0) -> (out, h, c)` for one window of a sequence, replayed from CUDA graphs.
+
+    fn is a training step's forward + loss + backward (`zlm.training.step`, out the loss),
+    leaving gradients in `param.grad` of `params`, or its whole step (out its numbers;
+    `snapshot` then undoes the warm-up's updates), or an evaluation window's forward and
+    summed loss (`zlm.core.eval_protocol`). With `graphs` off it is simply called; with
+    graphs on, each window shape is captured once and replayed after (shapes beyond
+    MAX_SHAPES run eagerly). With `fallback` (a name, e.g. "evaluation") a capture that
+    raises warns and the rest runs eagerly; without, the error propagates. Either way the
+    caller gets (out, (h, c)) it owns.
+    """
+
+    capture = CapturedStep  # tests substitute an eager stand-in
+
+    def __init__(self, fn: Callable[..., tuple[Tensor, Tensor, Tensor]], params: Sequence[Tensor] = (),
+                 graphs: bool = False, snapshot: Snapshot | None = None, fallback: str | None = None):
+        self.fn, self.params, self.graphs, self.snapshot = fn, list(params), graphs, snapshot
+        self.fallback = fallback
+        self.captured: dict[tuple, CapturedStep] = {}
+        self.replays = 0
+
+    def __call__(self, x: Tensor, y: Tensor, state: tuple[Tensor, Tensor]):
+        h0, c0 = state
+        key = (tuple(x.shape), tuple(h0.shape), h0.dtype)
+        graph = self.captured.get(key) if self.graphs else None
+        if graph is None and self.graphs and len(self.captured) < MAX_SHAPES:
+            graph = self._capture(key, (x, y, h0, c0))
+        if graph is None:
+            loss, h, c = self.fn(x, y, h0, c0)
+            return loss, (h, c)
+        loss, h, c = graph(x, y, h0, c0)
+        self.replays += 1
+        return loss.clone(), (h.clone(), c.clone())
+
+    def _capture(self, key: tuple, inputs: tuple) -> CapturedStep | None:
+        try:
+            graph = self.captured[key] = self.capture(self.fn, inputs, self.params, snapshot=self.snapshot)
+        except RuntimeError as e:
+            if self.fallback is None:
+                raise
+            warnings.warn(f"{self.fallback} runs eagerly: a CUDA graph capture failed ({e})", stacklevel=3)
+            self.graphs = False
+            return None
+        return graph

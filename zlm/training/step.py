@@ -17,8 +17,8 @@ import torch
 from torch import Tensor
 
 from zlm.core.config import TrainConfig
+from zlm.core.graphs import WindowStep
 from zlm.model.lm import State, token_nll
-from zlm.training.graphs import WindowStep
 
 STEP_MODES = ("off", "window", "step")  # what a CUDA graph replays: nothing, forward+backward, all
 

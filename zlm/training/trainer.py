@@ -102,7 +102,7 @@ class Trainer:
         mode = step_mode(self.use_graphs, self.optimizer)
         self.graphs_line = f"{graphs_line}: {describe_mode(mode)}" if self.use_graphs else graphs_line
         self.step_fn = TrainStep(self.ddp_model, self.runtime, self.scaler, self.optimizer, par, cfg.clip,
-                              mode=mode, fault=fault)
+                                 mode=mode, fault=fault)
         info = data.split_info("train")
         self.chars_per_token = info.characters / max(info.tokens, 1)
         self.bytes_per_token = info.bytes / max(info.tokens, 1)
