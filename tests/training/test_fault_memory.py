@@ -90,15 +90,16 @@ def test_evaluating_a_split_larger_than_the_budget_stays_bounded(tmp_path):
     runtime = resolve_runtime("cpu", "fp32")
     protocol = EvalProtocol(streams=8192, bptt=1024)  # 8M-token windows
     peaks = []
-    for mb in (24, 48):
+    for mb in (24, 72):
         tokens = _sparse_dataset(tmp_path / f"d{mb}", 10_000, mb * MB).tokens("valid")
         peak, retained, (nats, count) = _peak_and_retained_mb(evaluate_predictions, model, tokens, runtime, protocol)
         assert count == len(tokens) - 1 and np.isfinite(nats)
         assert retained < 64, f"{retained:.0f} MB still held after evaluating a {mb} MB split"
         peaks.append(peak)
-    # A whole-split index and window would be 16 bytes per token: 384 MB more for the
-    # second split's 24M more tokens.
-    assert peaks[1] - peaks[0] < 100, f"peak memory grew with the split: {peaks[0]:.0f} -> {peaks[1]:.0f} MB"
+    # A whole-split index and window would be 16 bytes per token: 768 MB more for the
+    # second split's 48M more tokens. The sampled peak of one call varies by ~100 MB from
+    # run to run (905-1030 MB measured for the same 24 MB split), hence the margin.
+    assert peaks[1] - peaks[0] < 250, f"peak memory grew with the split: {peaks[0]:.0f} -> {peaks[1]:.0f} MB"
 
 
 def test_training_from_a_huge_memory_mapped_split_stays_bounded(tmp_path):
