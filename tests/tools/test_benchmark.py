@@ -168,3 +168,29 @@ def test_cli(corpora, tmp_path):
     res = runner.invoke(app, ["recipe", "corpora-benchmark", "--corpora", str(tmp_path / "none"),
                               "--only", "python-docs", "--out", str(tmp_path / "o")])
     assert res.exit_code == 2 and "scripts/fetch-corpora" in res.output
+
+
+def test_record_continues_a_benchmark_on_a_machine_without_its_out(corpora, tmp_path):
+    """--record DIR keeps each finished run's spec, log and scores (no weights); a fresh OUT
+    with the same record restores those runs instead of training them again."""
+    args = ["recipe", "corpora-benchmark", "--corpora", str(corpora), "--only", "fortunes-ru",
+            "--seeds", "1", "--max-steps", "2", "--hidden", "16", "--embed", "8", "--batch-size", "4",
+            "--bptt", "16", "--eval-every", "2", "--record", str(tmp_path / "record"), "--json"]
+    res = runner.invoke(app, [*args, "--out", str(tmp_path / "a")])
+    assert res.exit_code == 0, res.output
+    first = json.loads(res.stdout)["runs"]
+    kept = sorted(str(p.relative_to(tmp_path / "record")) for p in (tmp_path / "record").rglob("*") if p.is_file())
+    assert kept == sorted(f"fortunes-ru/{s}-seed1/{f}" for s in cb.SETTINGS for f in cb.RECORD_FILES)
+
+    res = runner.invoke(app, [*args, "--out", str(tmp_path / "b")])  # another machine: OUT is new
+    assert res.exit_code == 0, res.output
+    again = json.loads(res.stdout)["runs"]
+    assert [(r["setting"], r["valid_bpc"], r["test_bpc"], r["steps"]) for r in again] == \
+        [(r["setting"], r["valid_bpc"], r["test_bpc"], r["steps"]) for r in first]
+    for s in cb.SETTINGS:  # restored, not trained: no checkpoint was written
+        assert not (tmp_path / "b" / "fortunes-ru" / f"{s}-seed1" / "checkpoints").exists()
+
+    res = runner.invoke(app, [*args[:-1], "--max-steps", "3", "--out", str(tmp_path / "c")])
+    assert res.exit_code == 2 and "pass the same budget or another --record" in res.output
+    res = runner.invoke(app, ["recipe", "equal-budget", "--record", str(tmp_path / "r")])
+    assert res.exit_code == 2 and "--record does not apply" in res.output

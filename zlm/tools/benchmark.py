@@ -19,12 +19,17 @@ The two settings:
   the time budget buys the same kind of training and validation for both.
 
 Restartable like the other recipes: finished runs (a "finish" event) and their
-results.json are kept, an unfinished run resumes from its latest checkpoint.
+results.json are kept, an unfinished run resumes from its latest checkpoint. With
+`--record DIR` each finished run's small files (RECORD_FILES: its spec, log and scores, no
+weights) are also copied to DIR/<corpus>/<setting>-seed<N>, and a run found there is
+restored instead of trained: a benchmark spread over machines whose OUT does not survive
+continues from the record (kept in git, say) where it stopped.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +63,9 @@ BASELINE = Preset("plain-baseline", "the corpora benchmark's plain LSTM",
                   ModelConfig(**BASELINE_MODEL), TrainConfig(**BASELINE_TRAIN))
 SHARED_TRAIN = ("eval_every", "eval_streams", "device", "precision", "cell", "cuda_graphs",
                 "keep_last", "log_every", "max_nonfinite")  # the baseline takes the defaults'
+# What --record keeps of a finished run: enough for the tables (`score_run`, `read_run`) and
+# its spec, not its checkpoints.
+RECORD_FILES = ("config.json", "metrics.jsonl", "results.json", "best/trainer.json", "best/dataset.json")
 SIZE_OPTIONS = ("hidden", "layers", "embed", "batch_size", "bptt", "eval_every", "log_every",
                 "device")
 
@@ -84,6 +92,7 @@ class BenchmarkConfig:
     mirror: Path | None = None  # catalog corpora (tiny Shakespeare when not fetched)
     sizes: dict | None = None
     spec: Path | None = None  # another benchmark.json (tests)
+    record: Path | None = None  # --record DIR: finished runs kept (and restored) there too
 
     def __post_init__(self):
         if self.minutes <= 0:
@@ -182,19 +191,63 @@ def prepare_corpus(corpus: benchmark.BenchCorpus, config: BenchmarkConfig, out: 
 
 
 def train_once(setting: str, data: Dataset, seed: int, config: BenchmarkConfig, out: Path,
-               make_reporter: ReporterFactory, extra: Options = Options()) -> Plan:
+               make_reporter: ReporterFactory, extra: Options = Options()) -> tuple[Plan, dict]:
     """Train one run (`run_plan`), resume it from its latest checkpoint, or keep it when
-    finished."""
+    finished (or restore it from config.record); then its scores (`score_run`), recorded."""
     run_dir = out / f"{setting}-seed{seed}"
+    record = None if config.record is None else Path(config.record) / out.name / run_dir.name
+    if record is not None:
+        restore_record(record, run_dir, config)
     resume = run_dir.is_dir() and any(run_dir.iterdir())
     if resume and (run_dir / "metrics.jsonl").is_file() and read_run(run_dir).finished:
-        return Plan(run_dir, read_spec(run_dir))
-    rep = make_reporter()
-    planned = run_plan(setting, data, seed, config, out, resume, rep, extra)
-    if run(planned, rep).interrupted:
-        raise ZlmError(f"interrupted during {run_dir} (checkpoint saved); run the same zlm "
-                       "recipe command again to continue")
-    return planned
+        planned = Plan(run_dir, read_spec(run_dir))
+    else:
+        rep = make_reporter()
+        planned = run_plan(setting, data, seed, config, out, resume, rep, extra)
+        if run(planned, rep).interrupted:
+            raise ZlmError(f"interrupted during {run_dir} (checkpoint saved); run the same zlm "
+                           "recipe command again to continue")
+    row = score_run(planned.run_dir, setting, planned.spec.train.device)
+    if record is not None:
+        save_record(run_dir, record)
+    return planned, row
+
+
+def _budget_of(run_dir: Path) -> dict:
+    train = read_spec(run_dir).train
+    if train.max_steps is not None:
+        return {"max_steps": train.max_steps}
+    return {"time_budget": train.time_budget}
+
+
+def restore_record(record: Path, run_dir: Path, config: BenchmarkConfig) -> None:
+    """Copy a recorded finished run into run_dir unless run_dir holds a finished run; a
+    record of another budget is refused (one line, naming the fix)."""
+    if not (record / "results.json").is_file():
+        return
+    if (run_dir / "results.json").is_file() and (run_dir / "metrics.jsonl").is_file() \
+            and read_run(run_dir).finished:
+        return
+    if _budget_of(record) != config.budget():
+        raise UsageError(f"{record} was recorded with {_budget_of(record)}, this run has "
+                         f"{config.budget()}: pass the same budget or another --record")
+    for name in RECORD_FILES:
+        if (record / name).is_file():
+            _copy_atomic(record / name, run_dir / name)
+
+
+def save_record(run_dir: Path, record: Path) -> None:
+    """Copy a finished run's RECORD_FILES to record (each file replaced atomically)."""
+    for name in RECORD_FILES:
+        if (run_dir / name).is_file():
+            _copy_atomic(run_dir / name, record / name)
+
+
+def _copy_atomic(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
 
 
 def corpus_info(corpus: benchmark.BenchCorpus, data: Dataset) -> dict:
@@ -225,8 +278,7 @@ def corpora_benchmark(config: BenchmarkConfig = BenchmarkConfig(),
             done.add(corpus.name)
         rep.message(f"[{i + 1}/{len(runs)}] {corpus.name}, {setting}, seed {seed}: "
                     f"{out / corpus.name / f'{setting}-seed{seed}'}")
-        planned = train_once(setting, data, seed, config, out / corpus.name, make_reporter)
-        row = score_run(planned.run_dir, setting, planned.spec.train.device)
+        _, row = train_once(setting, data, seed, config, out / corpus.name, make_reporter)
         rows.append({**row, "corpus": corpus.name, "seed": seed})
     return _finish(out, config, infos, rows, rep)
 

@@ -22,7 +22,8 @@ chosen by this procedure, and it reports how the rule does on corpora it was not
 Cost: corpora x (len(GRID) + seeds x 2, less the reused grid runs) runs of the budget;
 with 9 corpora, 3 grid points, 2 seeds and 10 minutes 54 to 63 runs, 10 to 11 hours on 2 cores. Like the
 other recipes it continues where it stopped: finished runs are kept, an unfinished one
-resumes from its latest checkpoint. Writes OUT/loco.json and OUT/loco.md.
+resumes from its latest checkpoint, and with --record DIR the finished runs' records (no
+weights) continue it on another machine. Writes OUT/loco.json and OUT/loco.md.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from zlm.core.reporter import Reporter
 from zlm.data import benchmark_corpora as benchmark
 from zlm.errors import ZlmError
 from zlm.tools import benchmark as cb
-from zlm.tools.recipes import RecipeResult, ReporterFactory, score_run
+from zlm.tools.recipes import RecipeResult, ReporterFactory
 from zlm.training.defaults import zoneout_strength
 
 NAME = "defaults-loco"
@@ -127,9 +128,8 @@ def defaults_loco(config: cb.BenchmarkConfig = cb.BenchmarkConfig(),
     total = len(corpora) * len(GRID)
     for i, (corpus, z) in enumerate(itertools.product(corpora, GRID)):
         rep.message(f"[grid {i + 1}/{total}] {corpus.name}, z_c {z:g}")
-        planned = cb.train_once(grid_setting(z), datas[corpus.name], 1, config, out / corpus.name, make_reporter,
-                                zoneout(z))
-        row = score_run(planned.run_dir, grid_setting(z), planned.spec.train.device)
+        planned, row = cb.train_once(grid_setting(z), datas[corpus.name], 1, config, out / corpus.name,
+                                     make_reporter, zoneout(z))
         rows.append({**row, "corpus": corpus.name, "seed": 1, "zoneout_cell": z,
                      "epochs": planned.spec.rule.expected_epochs if planned.spec.rule else None})
     for corpus in corpora:
@@ -145,14 +145,12 @@ def defaults_loco(config: cb.BenchmarkConfig = cb.BenchmarkConfig(),
         for seed in config.seeds:
             setting = grid_setting(z) if seed == 1 and z in GRID else f"heldout-zc{z:g}"
             rep.message(f"[held out] {corpus.name}: z_c {z:g} (chosen without it), seed {seed}")
-            planned = cb.train_once(setting, datas[corpus.name], seed, config, out / corpus.name, make_reporter,
-                                    zoneout(z))
-            row = score_run(planned.run_dir, setting, planned.spec.train.device)
+            _, row = cb.train_once(setting, datas[corpus.name], seed, config, out / corpus.name, make_reporter,
+                                   zoneout(z))
             held.append({**row, "corpus": corpus.name, "seed": seed, "zoneout_cell": z, "setting": HELD_OUT})
         for seed in config.seeds:
             rep.message(f"[baseline] {corpus.name}, seed {seed}")
-            planned = cb.train_once("baseline", datas[corpus.name], seed, config, out / corpus.name, make_reporter)
-            row = score_run(planned.run_dir, "baseline", planned.spec.train.device)
+            _, row = cb.train_once("baseline", datas[corpus.name], seed, config, out / corpus.name, make_reporter)
             held.append({**row, "corpus": corpus.name, "seed": seed, "setting": "baseline"})
     overall = fit(grid) if len(grid) > 1 else None
     summary = summarize(held)
