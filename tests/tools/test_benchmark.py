@@ -3,6 +3,7 @@ tables, restart after an interruption (finished runs kept, the unfinished one re
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import pathlib
@@ -180,7 +181,7 @@ def test_record_continues_a_benchmark_on_a_machine_without_its_out(corpora, tmp_
     assert res.exit_code == 0, res.output
     first = json.loads(res.stdout)["runs"]
     kept = sorted(str(p.relative_to(tmp_path / "record")) for p in (tmp_path / "record").rglob("*") if p.is_file())
-    assert kept == sorted(f"fortunes-ru/{s}-seed1/{f}" for s in cb.SETTINGS for f in cb.RECORD_FILES)
+    assert kept == sorted(f"fortunes-ru/{s}-seed1/{f}" for s in cb.SETTINGS for f in (*cb.RECORD_FILES, cb.RECORD_LOG))
 
     res = runner.invoke(app, [*args, "--out", str(tmp_path / "b")])  # another machine: OUT is new
     assert res.exit_code == 0, res.output
@@ -194,3 +195,24 @@ def test_record_continues_a_benchmark_on_a_machine_without_its_out(corpora, tmp_
     assert res.exit_code == 2 and "pass the same budget or another --record" in res.output
     res = runner.invoke(app, ["recipe", "equal-budget", "--record", str(tmp_path / "r")])
     assert res.exit_code == 2 and "--record does not apply" in res.output
+
+
+def test_record_log_drops_step_lines_and_thins_train_lines(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    events = [{"event": "start", "step": 0}]
+    for step in range(1, 2001):
+        events.append({"event": "step", "step": step, "loss": 1.0})
+        if step % 2 == 0:
+            events.append({"event": "train", "step": step, "train_bpc": 3.0 - step / 1000, "elapsed": step / 10})
+        if step % 500 == 0:
+            events.append({"event": "eval", "step": step, "valid_bpc": 2.0})
+    events.append({"event": "finish", "step": 2000, "elapsed_s": 200.0})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    cb.save_record(run, tmp_path / "record")
+    kept = [json.loads(line) for line in gzip.decompress((tmp_path / "record" / cb.RECORD_LOG).read_bytes()).splitlines()]
+    kinds = [e["event"] for e in kept]
+    assert "step" not in kinds and kinds.count("eval") == 4 and kinds[0] == "start" and kinds[-1] == "finish"
+    train = [e["step"] for e in kept if e["event"] == "train"]
+    assert 250 <= len(train) <= cb.RECORD_TRAIN_POINTS and train[-1] == 2000  # the last train line is kept
+    assert len(set(b - a for a, b in zip(train, train[1:], strict=False))) == 1  # evenly spaced
