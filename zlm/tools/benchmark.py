@@ -31,10 +31,12 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import shutil
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from zlm.atomic import replace_directory
 from zlm.core import checkpoint as ckpt
 from zlm.core.config import Options, ScheduleConfig, TrainConfig
 from zlm.core.reporter import Reporter
@@ -213,7 +215,7 @@ def train_once(setting: str, data: Dataset, seed: int, config: BenchmarkConfig, 
             raise ZlmError(f"interrupted during {run_dir} (checkpoint saved); run the same zlm "
                            "recipe command again to continue")
     row = score_run(planned.run_dir, setting, planned.spec.train.device)
-    if record is not None:
+    if record is not None and not (record / RECORD_LOG).is_file():
         save_record(run_dir, record)
     return planned, row
 
@@ -226,9 +228,10 @@ def _budget_of(run_dir: Path) -> dict:
 
 
 def restore_record(record: Path, run_dir: Path, config: BenchmarkConfig) -> None:
-    """Copy a recorded finished run into run_dir unless run_dir holds a finished run; a
-    record of another budget is refused (one line, naming the fix)."""
-    if not (record / "results.json").is_file():
+    """Put a recorded finished run in place of run_dir unless run_dir holds a finished run
+    (an unfinished one's checkpoints are superseded); a record of another budget is refused
+    (one line, naming the fix)."""
+    if not (record / RECORD_LOG).is_file():
         return
     if (run_dir / "results.json").is_file() and (run_dir / "metrics.jsonl").is_file() \
             and read_run(run_dir).finished:
@@ -236,32 +239,40 @@ def restore_record(record: Path, run_dir: Path, config: BenchmarkConfig) -> None
     if _budget_of(record) != config.budget():
         raise UsageError(f"{record} was recorded with {_budget_of(record)}, this run has "
                          f"{config.budget()}: pass the same budget or another --record")
-    for name in RECORD_FILES:
-        if (record / name).is_file():
-            _write_atomic(run_dir / name, (record / name).read_bytes())
-    _write_atomic(run_dir / "metrics.jsonl", gzip.decompress((record / RECORD_LOG).read_bytes()))
+    tmp = _fresh(run_dir)
+    _copy(record, tmp, RECORD_FILES)
+    (tmp / "metrics.jsonl").write_bytes(gzip.decompress((record / RECORD_LOG).read_bytes()))
+    replace_directory(tmp, run_dir)
 
 
 def save_record(run_dir: Path, record: Path) -> None:
-    """Copy a finished run's RECORD_FILES and RECORD_LOG to record (each file replaced
-    atomically; the log last, so a record with a log is whole)."""
-    for name in RECORD_FILES:
-        if (run_dir / name).is_file():
-            _write_atomic(record / name, (run_dir / name).read_bytes())
+    """Write a finished run's RECORD_FILES and RECORD_LOG as record (the directory replaced
+    only once whole)."""
+    tmp = _fresh(record)
+    _copy(run_dir, tmp, RECORD_FILES)
     with open(run_dir / "metrics.jsonl", "rb") as f:
         lines = [(line, json.loads(line).get("event")) for line in f if line.strip()]
     train = [i for i, (_, event) in enumerate(lines) if event == "train"]
     every = -(-len(train) // RECORD_TRAIN_POINTS) if train else 1
     drop = set(train) - set(train[::-1][::every])
     kept = b"".join(line for i, (line, event) in enumerate(lines) if event != "step" and i not in drop)
-    _write_atomic(record / RECORD_LOG, gzip.compress(kept, mtime=0))
+    (tmp / RECORD_LOG).write_bytes(gzip.compress(kept, mtime=0))
+    replace_directory(tmp, record)
 
 
-def _write_atomic(dst: Path, data: bytes) -> None:
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(f".{dst.name}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, dst)
+def _fresh(target: Path) -> Path:
+    """An empty hidden directory beside target, to be swapped in by `replace_directory`."""
+    tmp = target.with_name(f".{target.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def _copy(src: Path, dst: Path, names: tuple[str, ...]) -> None:
+    for name in names:
+        if (src / name).is_file():
+            (dst / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src / name, dst / name)
 
 
 def corpus_info(corpus: benchmark.BenchCorpus, data: Dataset) -> dict:
