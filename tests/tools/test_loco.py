@@ -37,7 +37,7 @@ def test_fit_follows_the_passes_and_leaves_the_corpus_out():
             GridRow("d", 40.0, _curve(0.2)), GridRow("e", 60.0, _curve(0.2))]
     best, mean = fit(rows)
     assert [best.zoneout_cell(r.epochs) for r in rows] == pytest.approx([0.0, 0.0, 0.1, 0.2, 0.2], abs=0.03)
-    assert best.cell == 0.2 and best.start >= 2.0 and mean == pytest.approx(1.8, abs=0.01)
+    assert best.cell == 0.2 and best.start >= 2.0 and mean == pytest.approx(0.0, abs=0.005)
     # An odd corpus (few passes, yet it wants the most zoneout) moves the fit on all corpora...
     odd = [*rows, GridRow("odd", 1.5, {0.0: 2.5, 0.1: 2.0, 0.2: 1.6})]
     assert fit(odd)[0] != best
@@ -45,6 +45,19 @@ def test_fit_follows_the_passes_and_leaves_the_corpus_out():
     assert fit(odd, exclude="odd") == fit(rows)
     with pytest.raises(Exception, match="at least 2 corpora"):
         fit([rows[0]], exclude="a")
+
+
+def test_every_corpus_weighs_the_same_whatever_its_scale():
+    # Two corpora want no zoneout at 20 passes by 5%; one wants the most by 5%. A corpus of
+    # Chinese characters has about 4 times the bits per character of English: scaling its
+    # row by 4 must not let it outvote the other two.
+    rows = [GridRow("a", 20.0, {0.0: 1.80, 0.1: 1.845, 0.2: 1.89}),
+            GridRow("b", 20.0, {0.0: 1.70, 0.1: 1.7425, 0.2: 1.785}),
+            GridRow("zh", 20.0, {0.0: 2.0, 0.1: 1.95, 0.2: 1.905})]
+    best, _ = fit(rows)
+    assert best.zoneout_cell(20.0) < 0.1  # the least zoneout the candidates allow at 20 passes
+    scaled = [*rows[:2], GridRow("zh", 20.0, {z: 4 * v for z, v in rows[2].valid.items()})]
+    assert fit(scaled) == fit(rows)
 
 
 def test_ties_go_to_less_regularisation():
