@@ -82,12 +82,12 @@ def test_the_regime_threshold_with_an_explicit_size(train_tokens, speed, regime)
 
 def test_zoneout_grows_with_the_passes_without_a_cliff():
     """z_c and z_h never fall as the expected passes rise, and 1% more passes never move
-    z_c by more than 0.003 (the rule's old cliff at 10 passes, 0 -> 0.1, is gone)."""
+    z_c by more than 0.002 (the rule's old cliff at 10 passes, 0 -> 0.1, is gone)."""
     epochs = [0.1 * 1.01 ** k for k in range(1000)]  # 0.1 .. 2,000 passes
     zc = [decide(RunLength(1_000_000, epochs=e)).settings.zoneout_cell for e in epochs]
     zh = [decide(RunLength(1_000_000, epochs=e)).settings.zoneout_hidden for e in epochs]
     assert all(b >= a for a, b in zip(zc, zc[1:], strict=False)) and all(b >= a for a, b in zip(zh, zh[1:], strict=False))
-    assert max(b - a for a, b in zip(zc, zc[1:], strict=False)) <= 0.003
+    assert max(b - a for a, b in zip(zc, zc[1:], strict=False)) <= 0.002
     assert zc[0] == 0.0 and zc[-1] == defaults.ZONEOUT_CELL and zh[-1] == defaults.ZONEOUT_HIDDEN
     assert defaults.zoneout_strength(defaults.ZONEOUT_FROM) == 0.0
     assert defaults.zoneout_strength(defaults.ZONEOUT_FULL) == 1.0

@@ -42,8 +42,8 @@ from zlm.core.config import Options
 from zlm.core.spec import DefaultsRule
 
 OVERFIT_EPOCHS = 10.0  # expected passes from which the regularised regime's window and lr are taken
-ZONEOUT_FROM = 8.0  # expected passes up to which a run has no zoneout
-ZONEOUT_FULL = 12.0  # expected passes from which it has the full ZONEOUT_CELL and ZONEOUT_HIDDEN
+ZONEOUT_FROM = 8.0  # expected passes up to which a run has no zoneout (these three: `zlm recipe defaults-loco`)
+ZONEOUT_FULL = 16.0  # expected passes from which it has the full ZONEOUT_CELL and ZONEOUT_HIDDEN
 ZONEOUT_CELL = 0.1  # z_c at full strength
 ZONEOUT_HIDDEN = 0.05  # z_h at full strength
 AVERAGE_SHARE = 0.25  # the last share of a run of known length whose weights are averaged
