@@ -1,8 +1,9 @@
 """Replacing a directory only once its new version is whole (a leaf module anything may use).
 
-`zlm prepare` builds a DATA_DIR and `zlm export` an export directory under a hidden temporary
-name beside the target, then `replace_directory` swaps it in: an interrupted run leaves the
-old directory (or nothing), never a half-written one. (Checkpoints have their own, stricter
+`zlm prepare` builds a DATA_DIR and the benchmark's --record a run's record in
+`building(target)`, a hidden temporary directory beside the target that `replace_directory`
+swaps in when the block ends (`zlm export` calls `replace_directory` itself): an
+interrupted run leaves the old directory (or nothing), never a half-written one. (Checkpoints have their own, stricter
 protocol with manifests: `zlm.core.checkpoint`.)
 """
 
@@ -11,7 +12,24 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+
+@contextmanager
+def building(out: Path) -> Iterator[Path]:
+    """A new empty hidden directory beside `out` to build in: it replaces `out` when the
+    block ends, and is removed if the block raises. (mkdir, not mkdtemp: the result should
+    get the usual umask permissions.)"""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    tmp.mkdir()
+    try:
+        yield tmp
+        replace_directory(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def replace_directory(tmp: Path, out: Path) -> None:

@@ -22,13 +22,11 @@ import dataclasses
 import json
 import os
 import pathlib
-import secrets
-import shutil
 from collections.abc import Callable
 
 import numpy as np
 
-from zlm.atomic import replace_directory
+from zlm.atomic import building
 from zlm.data import catalog, textio
 from zlm.data.dataset import SPLITS, Dataset
 from zlm.data.passes import Passes, Plan, Scan
@@ -139,10 +137,7 @@ def prepare(source, out, config: PrepareConfig = PrepareConfig(),
     scan = stream.scan(want_sample=plan.kind in ("bpe", "unigram"))
     bounds = _boundaries(plan, scan.part_units)
     tok = _build_tokenizer(plan, config, scan, bounds) if base is None else _extend(base, plan, scan, bounds)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-    tmp.mkdir()  # (not mkdtemp: the DATA_DIR should get the usual umask permissions)
-    try:
+    with building(out) as tmp:
         dtype = token_dtype(tok.vocab_size)
         counts = stream.write(tok, dtype, bounds, tmp, _encode_policy(plan.unknown))
         tok.save(tmp)
@@ -155,10 +150,6 @@ def prepare(source, out, config: PrepareConfig = PrepareConfig(),
             "unknown": plan.unknown,
         }
         (tmp / "dataset.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-        replace_directory(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return Dataset.open(out)
 
 def _check_out(out: pathlib.Path, force: bool) -> None:

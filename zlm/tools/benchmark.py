@@ -36,7 +36,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from zlm.atomic import replace_directory
+from zlm.atomic import building
 from zlm.core import checkpoint as ckpt
 from zlm.core.config import Options, ScheduleConfig, TrainConfig
 from zlm.core.reporter import Reporter
@@ -239,33 +239,23 @@ def restore_record(record: Path, run_dir: Path, config: BenchmarkConfig) -> None
     if _budget_of(record) != config.budget():
         raise UsageError(f"{record} was recorded with {_budget_of(record)}, this run has "
                          f"{config.budget()}: pass the same budget or another --record")
-    tmp = _fresh(run_dir)
-    _copy(record, tmp, RECORD_FILES)
-    (tmp / "metrics.jsonl").write_bytes(gzip.decompress((record / RECORD_LOG).read_bytes()))
-    replace_directory(tmp, run_dir)
+    with building(run_dir) as tmp:
+        _copy(record, tmp, RECORD_FILES)
+        (tmp / "metrics.jsonl").write_bytes(gzip.decompress((record / RECORD_LOG).read_bytes()))
 
 
 def save_record(run_dir: Path, record: Path) -> None:
     """Write a finished run's RECORD_FILES and RECORD_LOG as record (the directory replaced
     only once whole)."""
-    tmp = _fresh(record)
-    _copy(run_dir, tmp, RECORD_FILES)
     with open(run_dir / "metrics.jsonl", "rb") as f:
         lines = [(line, json.loads(line).get("event")) for line in f if line.strip()]
     train = [i for i, (_, event) in enumerate(lines) if event == "train"]
     every = -(-len(train) // RECORD_TRAIN_POINTS) if train else 1
     drop = set(train) - set(train[::-1][::every])
     kept = b"".join(line for i, (line, event) in enumerate(lines) if event != "step" and i not in drop)
-    (tmp / RECORD_LOG).write_bytes(gzip.compress(kept, mtime=0))
-    replace_directory(tmp, record)
-
-
-def _fresh(target: Path) -> Path:
-    """An empty hidden directory beside target, to be swapped in by `replace_directory`."""
-    tmp = target.with_name(f".{target.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    return tmp
+    with building(record) as tmp:
+        _copy(run_dir, tmp, RECORD_FILES)
+        (tmp / RECORD_LOG).write_bytes(gzip.compress(kept, mtime=0))
 
 
 def _copy(src: Path, dst: Path, names: tuple[str, ...]) -> None:

@@ -11,8 +11,7 @@ chosen by this procedure, and it reports how the rule does on corpora it was not
 2. Folds: for each corpus X, the `Constants` are the CANDIDATES that minimise the mean,
    over the *other* corpora, of their valid BPC at the z_c the constants give for their E
    (read off their grid row, linear between grid points) relative to the best of their
-   row (`fit`). X's held-out z_c is
-   those constants at X's E.
+   row (`fit`). X's held-out z_c is those constants at X's E.
 3. Held out: X is trained at its held-out z_c with every seed (the grid run is reused when
    that z_c is a grid point and the seed is 1) and scored on the full valid and test
    splits, next to the corpora benchmark's plain-LSTM baseline for the same seeds (its
