@@ -50,6 +50,9 @@ def command(
         help="Also keep each finished run's spec, log and scores (no weights) in DIR, and "
              "restore the runs found there instead of training them: continue on another "
              "machine.", rich_help_panel=H_BENCH, metavar="DIR", show_default=False)] = None,
+    report: Annotated[bool, typer.Option(
+        "--report", help="Train nothing: write the tables from the runs finished so far (here or "
+        "in --record) and list the runs left.", rich_help_panel=H_BENCH)] = False,
     out: Annotated[Path | None, typer.Option(
         "--out", "-o", help="Output directory (default: runs/NAME).", show_default=False)] = None,
     mirror: Annotated[Path | None, typer.Option(
@@ -100,7 +103,8 @@ def command(
     # With --json, stdout carries only the JSON: training progress goes to stderr.
     reporter = (lambda: PlainReporter(sys.stderr)) if as_json else make_reporter
     result = _run(name, reporter, sizes, corpus=corpus, corpora=corpora, only=only, seeds=seeds,
-                  record=record, out=out, mirror=mirror, minutes=minutes, max_steps=max_steps, lr=lr, seed=seed)
+                  record=record, report=report or None, out=out, mirror=mirror, minutes=minutes,
+                  max_steps=max_steps, lr=lr, seed=seed)
     if as_json:
         typer.echo(json.dumps(result.to_dict()))
     else:
@@ -108,7 +112,7 @@ def command(
 
 
 def _run(name: str, reporter, sizes: dict, *, corpus, corpora, only, seeds, out, mirror,
-         minutes, max_steps, lr, seed, record=None) -> RecipeResult:
+         minutes, max_steps, lr, seed, record=None, report=None) -> RecipeResult:
     """Build the recipe's config from the options that apply to it, and run it."""
     from zlm.tools import benchmark as cb
     from zlm.tools import loco
@@ -118,11 +122,12 @@ def _run(name: str, reporter, sizes: dict, *, corpus, corpora, only, seeds, out,
         _refuse(name, corpus=corpus, lr=lr, seed=seed)
         config = cb.BenchmarkConfig(
             corpora=corpora, only=only, out=out, mirror=mirror, max_steps=max_steps, record=record,
+            report=bool(report),
             minutes=cb.DEFAULT_MINUTES if minutes is None else minutes,
             seeds=cb.DEFAULT_SEEDS if seeds is None else cb.parse_seeds(seeds),
             sizes={k: v for k, v in sizes.items() if v is not None})
         return (cb.corpora_benchmark if name == cb.NAME else loco.defaults_loco)(config, reporter)
-    _refuse(name, corpora=corpora, only=only, seeds=seeds, record=record)
+    _refuse(name, corpora=corpora, only=only, seeds=seeds, record=record, report=report)
     config = RecipeConfig(corpus=corpus or "tinyshakespeare", out=out, mirror=mirror,
                           minutes=minutes, max_steps=max_steps, lr=lr, seed=seed, **sizes)
     return run_recipe(name, config, reporter)

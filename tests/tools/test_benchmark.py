@@ -147,6 +147,11 @@ def test_summary_means_and_wins():
     assert s["defaults_win"]
     rows[1]["test_bpc"] = 2.2
     assert not cb.summarize(rows)[0]["defaults_win"]  # test mean 2.11 vs 2.05
+    # A setting with fewer runs than seeds (a --report midway) is not decided either way.
+    (s,) = cb.summarize(rows[:3], seeds=2)
+    assert s["defaults_win"] is None and (s["defaults_runs"], s["baseline_runs"]) == (2, 1)
+    assert cb.win_cell(s, "defaults", 2) == "pending (3 of 4 runs)"
+    assert cb.win_cell(cb.summarize(rows, seeds=2)[0], "defaults", 2) == "no"
 
 
 def test_cli(corpora, tmp_path):
@@ -195,6 +200,21 @@ def test_record_continues_a_benchmark_on_a_machine_without_its_out(corpora, tmp_
     assert res.exit_code == 2 and "pass the same budget or another --record" in res.output
     res = runner.invoke(app, ["recipe", "equal-budget", "--record", str(tmp_path / "r")])
     assert res.exit_code == 2 and "--record does not apply" in res.output
+
+    # --report with a second seed asked: the finished seed-1 runs are tabled, seed 2's are
+    # listed as left, and nothing trains.
+    seeds = args.index("--seeds") + 1
+    report = [*args[:seeds], "1,2", *args[seeds + 1:], "--report", "--out", str(tmp_path / "d")]
+    res = runner.invoke(app, report)
+    assert res.exit_code == 0, res.output
+    assert [r["setting"] for r in json.loads(res.stdout)["runs"]] == list(cb.SETTINGS)
+    md = (tmp_path / "d" / "results.md").read_text()
+    assert "Not finished yet (the same command without --report trains them): fortunes-ru/defaults-seed2, " \
+        "fortunes-ru/baseline-seed2." in md
+    assert "pending (2 of 4 runs)" in md
+    assert not (tmp_path / "d" / "fortunes-ru" / "defaults-seed2").exists()
+    res = runner.invoke(app, ["recipe", "equal-budget", "--report"])
+    assert res.exit_code == 2 and "--report does not apply" in res.output
 
 
 def test_record_log_drops_step_lines_and_thins_train_lines(tmp_path):

@@ -4,6 +4,8 @@ whole procedure at tiny sizes on fake corpora (grid, folds, held-out runs, basel
 from __future__ import annotations
 
 import json
+import shutil
+from dataclasses import replace
 
 import pytest
 from typer.testing import CliRunner
@@ -112,6 +114,26 @@ def test_procedure_end_to_end_and_again(corpora, tmp_path, monkeypatch):
     again = loco.defaults_loco(config)
     assert {p: len(read_metrics(p)) for p in out.glob("*/*/metrics.jsonl")} == counts
     assert again.markdown == result.markdown
+
+    # --report midway: one baseline run missing leaves its corpus pending; a grid run missing
+    # leaves its corpus without a fold (one complete row is too few to fit); nothing trains.
+    partial = tmp_path / "partial"
+    shutil.copytree(out, partial)
+    shutil.rmtree(partial / "tinyshakespeare" / "baseline-seed2")
+    report = loco.defaults_loco(replace(config, out=partial, report=True))
+    assert "Not finished yet (the same command without --report trains them): tinyshakespeare/baseline-seed2." \
+        in report.markdown
+    ts = next(line for line in report.markdown.splitlines() if line.startswith("| tinyshakespeare |"))
+    assert "pending (3 of 4 runs)" in ts
+    assert not (partial / "tinyshakespeare" / "baseline-seed2").exists()
+    assert report.markdown.replace(ts, "").count("pending") == 0  # fortunes-ru is complete
+    shutil.rmtree(partial / "fortunes-ru" / "grid-zc0.2-seed1")
+    report = loco.defaults_loco(replace(config, out=partial, report=True))
+    doc = json.loads((partial / "loco.json").read_text())
+    assert doc["folds"] == {} and [g["corpus"] for g in doc["grid"]] == ["tinyshakespeare"]
+    assert "fortunes-ru's held-out runs (its grid row is not complete)" in doc["missing"]
+    assert {r["setting"] for r in doc["runs"]} == {"baseline"}
+    assert not (partial / "fortunes-ru" / "grid-zc0.2-seed1").exists()
 
 
 def test_cli_names_the_recipe(corpora, tmp_path):

@@ -23,7 +23,9 @@ results.json are kept, an unfinished run resumes from its latest checkpoint. Wit
 `--record DIR` each finished run's small files (RECORD_FILES: its spec, log and scores, no
 weights) are also copied to DIR/<corpus>/<setting>-seed<N>, and a run found there is
 restored instead of trained: a benchmark spread over machines whose OUT does not survive
-continues from the record (kept in git, say) where it stopped.
+continues from the record (kept in git, say) where it stopped. `--report` trains nothing:
+it writes the tables from the runs finished so far (here or in the record), "-" where a
+run is missing, and lists what is left.
 """
 
 from __future__ import annotations
@@ -100,6 +102,7 @@ class BenchmarkConfig:
     sizes: dict | None = None
     spec: Path | None = None  # another benchmark.json (tests)
     record: Path | None = None  # --record DIR: finished runs kept (and restored) there too
+    report: bool = False  # --report: the tables from the finished runs only, nothing trained
 
     def __post_init__(self):
         if self.minutes <= 0:
@@ -198,9 +201,10 @@ def prepare_corpus(corpus: benchmark.BenchCorpus, config: BenchmarkConfig, out: 
 
 
 def train_once(setting: str, data: Dataset, seed: int, config: BenchmarkConfig, out: Path,
-               make_reporter: ReporterFactory, extra: Options = Options()) -> tuple[Plan, dict]:
+               make_reporter: ReporterFactory, extra: Options = Options()) -> tuple[Plan, dict] | None:
     """Train one run (`run_plan`), resume it from its latest checkpoint, or keep it when
-    finished (or restore it from config.record); then its scores (`score_run`), recorded."""
+    finished (or restore it from config.record); then its scores (`score_run`), recorded.
+    None with config.report when the run is not finished (nothing is trained)."""
     run_dir = out / f"{setting}-seed{seed}"
     record = None if config.record is None else Path(config.record) / out.name / run_dir.name
     if record is not None:
@@ -208,6 +212,8 @@ def train_once(setting: str, data: Dataset, seed: int, config: BenchmarkConfig, 
     resume = run_dir.is_dir() and any(run_dir.iterdir())
     if resume and (run_dir / "metrics.jsonl").is_file() and read_run(run_dir).finished:
         planned = Plan(run_dir, read_spec(run_dir))
+    elif config.report:
+        return None
     else:
         rep = make_reporter()
         planned = run_plan(setting, data, seed, config, out, resume, rep, extra)
@@ -285,26 +291,31 @@ def corpora_benchmark(config: BenchmarkConfig = BenchmarkConfig(),
     rep = make_reporter()
     corpora = benchmark.select(benchmark.load_benchmark(config.spec), config.only)
     runs = [(c, s, seed) for c in corpora for s in SETTINGS for seed in config.seeds]
-    rows, infos, done = [], [], set()
+    rows, infos, done, missing = [], [], set(), []
     for i, (corpus, setting, seed) in enumerate(runs):
         data = prepare_corpus(corpus, config, out, rep)
         if corpus.name not in done:
             infos.append(corpus_info(corpus, data))
             done.add(corpus.name)
-        rep.message(f"[{i + 1}/{len(runs)}] {corpus.name}, {setting}, seed {seed}: "
-                    f"{out / corpus.name / f'{setting}-seed{seed}'}")
-        _, row = train_once(setting, data, seed, config, out / corpus.name, make_reporter)
-        rows.append({**row, "corpus": corpus.name, "seed": seed})
-    return _finish(out, config, infos, rows, rep)
+        if not config.report:
+            rep.message(f"[{i + 1}/{len(runs)}] {corpus.name}, {setting}, seed {seed}: "
+                        f"{out / corpus.name / f'{setting}-seed{seed}'}")
+        got = train_once(setting, data, seed, config, out / corpus.name, make_reporter)
+        if got is None:
+            missing.append(f"{corpus.name}/{setting}-seed{seed}")
+            continue
+        rows.append({**got[1], "corpus": corpus.name, "seed": seed})
+    return _finish(out, config, infos, rows, rep, missing)
 
 
 # ------------------------------------------------------------------ results
 
 
-def summarize(rows: list[dict], settings: tuple[str, str] = SETTINGS) -> list[dict]:
-    """Per corpus: the mean over seeds of each of the two settings' valid and test BPC, the
-    differences (first - second: defaults - baseline) and whether the first wins by
-    WIN_MARGIN on both ("<first>_win")."""
+def summarize(rows: list[dict], settings: tuple[str, str] = SETTINGS, seeds: int | None = None) -> list[dict]:
+    """Per corpus: the mean over seeds of each of the two settings' valid and test BPC, how
+    many runs each mean is of ("<setting>_runs"), the differences (first - second: defaults
+    - baseline) and whether the first wins by WIN_MARGIN on both ("<first>_win"; None, not
+    decided yet, while a setting has fewer than `seeds` runs)."""
     first, second = settings
     out = []
     for corpus in dict.fromkeys(r["corpus"] for r in rows):
@@ -315,13 +326,32 @@ def summarize(rows: list[dict], settings: tuple[str, str] = SETTINGS) -> list[di
                 vals = [r[f"{split}_bpc"] for r in mine if r.get(f"{split}_bpc") is not None]
                 entry[f"{setting}_{split}"] = statistics.fmean(vals) if vals else None
             entry[f"{setting}_characters"] = statistics.fmean(r["characters"] for r in mine) if mine else None
+            entry[f"{setting}_runs"] = len(mine)
         for split in ("valid", "test"):
             a, b = entry[f"{first}_{split}"], entry[f"{second}_{split}"]
             entry[f"delta_{split}"] = None if a is None or b is None else a - b
         entry[f"{first}_win"] = all(entry[f"delta_{s}"] is not None and entry[f"delta_{s}"] <= -WIN_MARGIN
                                     for s in ("valid", "test"))
+        if seeds is not None and min(entry[f"{s}_runs"] for s in settings) < seeds:
+            entry[f"{first}_win"] = None
         out.append(entry)
     return out
+
+
+def win_cell(entry: dict, first: str, seeds: int) -> str:
+    """The table's verdict: yes | no | "pending (N of M runs)" while runs are missing."""
+    win = entry[f"{first}_win"]
+    if win is None:
+        done = sum(v for k, v in entry.items() if k.endswith("_runs"))
+        return f"pending ({done} of {2 * seeds} runs)"
+    return "yes" if win else "no"
+
+
+def report_lines(missing: list[str]) -> list[str]:
+    """What a --report says is left: the runs not finished yet."""
+    if not missing:
+        return ["Every run is finished.", ""]
+    return ["Not finished yet (the same command without --report trains them): " + ", ".join(missing) + ".", ""]
 
 
 def fmt(v, digits: int = 3, signed: bool = False) -> str:
@@ -345,12 +375,12 @@ def _setting_line(rows: list[dict], setting: str) -> str:
 
 
 def benchmark_markdown(config: BenchmarkConfig, infos: list[dict], rows: list[dict],
-                       summary: list[dict]) -> str:
+                       summary: list[dict], missing: list[str] = ()) -> str:
     budget = (f"{config.max_steps:,} steps" if config.max_steps is not None
               else f"{config.minutes:g} minutes")
     lines = [f"Corpora benchmark: zlm's defaults vs the plain-LSTM baseline, {budget} of "
              f"training per run, seeds {', '.join(map(str, config.seeds))}, on {os.cpu_count()} "
-             "CPU cores.", "",
+             "CPU cores.", "", *(report_lines(list(missing)) if config.report else []),
              "| corpus | kind | source | characters | vocabulary | text = pinned |",
              "|---|---|---|---|---|---|"]
     for c in infos:
@@ -365,7 +395,7 @@ def benchmark_markdown(config: BenchmarkConfig, infos: list[dict], rows: list[di
         lines.append(f"| {s['corpus']} | {fmt(s['defaults_valid'])} | {fmt(s['baseline_valid'])} | "
                      f"{fmt(s['delta_valid'], signed=True)} | {fmt(s['defaults_test'])} | "
                      f"{fmt(s['baseline_test'])} | {fmt(s['delta_test'], signed=True)} | "
-                     f"{'yes' if s['defaults_win'] else 'no'} |")
+                     f"{win_cell(s, 'defaults', len(config.seeds))} |")
     lines += ["", "Every run:", "",
               "| corpus | setting | seed | valid BPC | test BPC | characters seen | steps | "
               "best step | training minutes |", "|---|---|---|---|---|---|---|---|---|"]
@@ -383,7 +413,7 @@ def benchmark_markdown(config: BenchmarkConfig, infos: list[dict], rows: list[di
 
 
 def _finish(out: Path, config: BenchmarkConfig, infos: list[dict], rows: list[dict],
-            rep: Reporter) -> RecipeResult:
+            rep: Reporter, missing: list[str] = ()) -> RecipeResult:
     """OUT/results.json, OUT/results.md and OUT/<corpus>/curves.png (skipped, with a note,
     without matplotlib)."""
     from zlm.tools.plot import plot_runs
@@ -398,10 +428,11 @@ def _finish(out: Path, config: BenchmarkConfig, infos: list[dict], rows: list[di
             files.append(target)
         except ZlmError as e:
             rep.message(f"{target} not written: {e}")
-    summary = summarize(rows)
-    md = benchmark_markdown(config, infos, rows, summary)
+    summary = summarize(rows, seeds=len(config.seeds))
+    md = benchmark_markdown(config, infos, rows, summary, missing)
     ckpt.write_json(out / "results.json", {
         "recipe": NAME, "budget": config.budget(), "seeds": list(config.seeds),
-        "sizes": config.sizes or {}, "corpora": infos, "summary": summary, "runs": rows})
+        "sizes": config.sizes or {}, "corpora": infos, "summary": summary, "missing": list(missing),
+        "runs": rows})
     (out / "results.md").write_text(md, encoding="utf-8")
     return RecipeResult(NAME, out, rows, md, files)

@@ -23,7 +23,10 @@ Cost: corpora x (len(GRID) + seeds x 2, less the reused grid runs) runs of the b
 with 9 corpora, 3 grid points, 2 seeds and 10 minutes 54 to 63 runs, 10 to 11 hours on 2 cores. Like the
 other recipes it continues where it stopped: finished runs are kept, an unfinished one
 resumes from its latest checkpoint, and with --record DIR the finished runs' records (no
-weights) continue it on another machine. Writes OUT/loco.json and OUT/loco.md.
+weights) continue it on another machine. With --report it trains nothing and writes the
+tables from the runs finished so far: the folds are fitted on the corpora whose grid row is
+complete, a corpus without one has no held-out z_c yet, and a mean over fewer seeds than
+asked is "pending". Writes OUT/loco.json and OUT/loco.md.
 """
 
 from __future__ import annotations
@@ -129,44 +132,64 @@ def defaults_loco(config: cb.BenchmarkConfig = cb.BenchmarkConfig(),
     corpora = benchmark.select(benchmark.load_benchmark(config.spec), config.only)
     datas = {c.name: cb.prepare_corpus(c, config, out, rep) for c in corpora}
     infos = [cb.corpus_info(c, datas[c.name]) for c in corpora]
-    rows, grid = [], []
+    rows, grid, missing = [], [], []
+    say = (lambda text: None) if config.report else rep.message
+
+    def once(setting: str, corpus: str, seed: int, extra: Options = Options()):
+        got = cb.train_once(setting, datas[corpus], seed, config, out / corpus, make_reporter, extra)
+        if got is None:
+            missing.append(f"{corpus}/{setting}-seed{seed}")
+        return got
+
     total = len(corpora) * len(GRID)
     for i, (corpus, z) in enumerate(itertools.product(corpora, GRID)):
-        rep.message(f"[grid {i + 1}/{total}] {corpus.name}, z_c {z:g}")
-        planned, row = cb.train_once(grid_setting(z), datas[corpus.name], 1, config, out / corpus.name,
-                                     make_reporter, zoneout(z))
-        rows.append({**row, "corpus": corpus.name, "seed": 1, "zoneout_cell": z,
-                     "epochs": planned.spec.rule.expected_epochs if planned.spec.rule else None})
+        say(f"[grid {i + 1}/{total}] {corpus.name}, z_c {z:g}")
+        got = once(grid_setting(z), corpus.name, 1, zoneout(z))
+        if got is not None:
+            planned, row = got
+            rows.append({**row, "corpus": corpus.name, "seed": 1, "zoneout_cell": z,
+                         "epochs": planned.spec.rule.expected_epochs if planned.spec.rule else None})
+    shown = []  # every grid row with a finished run, for the table
     for corpus in corpora:
         mine = [r for r in rows if r["corpus"] == corpus.name]
         epochs = [r["epochs"] for r in mine if r["epochs"] is not None]
-        grid.append(GridRow(corpus.name, statistics.fmean(epochs) if epochs else 0.0,
-                            {r["zoneout_cell"]: r["valid_bpc"] for r in mine}))
-    folds = {r.corpus: fit(grid, exclude=r.corpus) for r in grid}
+        if mine:
+            shown.append(GridRow(corpus.name, statistics.fmean(epochs) if epochs else 0.0,
+                                 {r["zoneout_cell"]: r["valid_bpc"] for r in mine}))
+            if len(mine) == len(GRID):  # only --report meets an incomplete row: no fit uses it
+                grid.append(shown[-1])
+    folds = {r.corpus: fit(grid, exclude=r.corpus) for r in grid} if len(grid) > 1 or not config.report else {}
     held = []
-    for corpus, g in zip(corpora, grid, strict=True):
-        constants = folds[corpus.name][0]
-        z = constants.zoneout_cell(g.epochs)
+    for corpus in corpora:
+        if corpus.name in folds:
+            g = next(g for g in grid if g.corpus == corpus.name)
+            z = folds[corpus.name][0].zoneout_cell(g.epochs)
+            for seed in config.seeds:
+                setting = grid_setting(z) if seed == 1 and z in GRID else f"heldout-zc{z:g}"
+                say(f"[held out] {corpus.name}: z_c {z:g} (chosen without it), seed {seed}")
+                got = once(setting, corpus.name, seed, zoneout(z))
+                if got is not None:
+                    held.append({**got[1], "corpus": corpus.name, "seed": seed, "zoneout_cell": z,
+                                 "setting": HELD_OUT})
+        elif any(g.corpus == corpus.name for g in grid):
+            missing.append(f"{corpus.name}'s held-out runs (no other corpus's grid row is complete)")
+        else:
+            missing.append(f"{corpus.name}'s held-out runs (its grid row is not complete)")
         for seed in config.seeds:
-            setting = grid_setting(z) if seed == 1 and z in GRID else f"heldout-zc{z:g}"
-            rep.message(f"[held out] {corpus.name}: z_c {z:g} (chosen without it), seed {seed}")
-            _, row = cb.train_once(setting, datas[corpus.name], seed, config, out / corpus.name, make_reporter,
-                                   zoneout(z))
-            held.append({**row, "corpus": corpus.name, "seed": seed, "zoneout_cell": z, "setting": HELD_OUT})
-        for seed in config.seeds:
-            rep.message(f"[baseline] {corpus.name}, seed {seed}")
-            _, row = cb.train_once("baseline", datas[corpus.name], seed, config, out / corpus.name, make_reporter)
-            held.append({**row, "corpus": corpus.name, "seed": seed, "setting": "baseline"})
+            say(f"[baseline] {corpus.name}, seed {seed}")
+            got = once("baseline", corpus.name, seed)
+            if got is not None:
+                held.append({**got[1], "corpus": corpus.name, "seed": seed, "setting": "baseline"})
     overall = fit(grid) if len(grid) > 1 else None
-    summary = summarize(held)
-    md = loco_markdown(config, infos, grid, folds, summary, overall)
+    summary = summarize(held, len(config.seeds), folds, grid)
+    md = loco_markdown(config, infos, shown, folds, summary, overall, missing)
     ckpt.write_json(out / "loco.json", {
         "recipe": NAME, "budget": config.budget(), "seeds": list(config.seeds), "grid_points": list(GRID),
         "hidden_share": HIDDEN_SHARE, "candidates": CANDIDATES, "corpora": infos,
         "grid": [asdict(g) for g in grid],
         "folds": {k: {"constants": asdict(c), "mean_excess": s} for k, (c, s) in folds.items()},
         "all_corpora": None if overall is None else {"constants": asdict(overall[0]), "mean_excess": overall[1]},
-        "summary": summary, "grid_runs": rows, "runs": held})
+        "summary": summary, "missing": missing, "grid_runs": rows, "runs": held})
     (out / "loco.md").write_text(md, encoding="utf-8")
     return RecipeResult(NAME, out, held, md, [out / "loco.json", out / "loco.md"])
 
@@ -174,42 +197,51 @@ def defaults_loco(config: cb.BenchmarkConfig = cb.BenchmarkConfig(),
 # ------------------------------------------------------------------ results
 
 
-def summarize(held: list[dict]) -> list[dict]:
+def summarize(held: list[dict], seeds: int, folds: dict, grid: list[GridRow]) -> list[dict]:
     """Per corpus (`cb.summarize`): held-out and baseline means over the seeds, Δ and
-    whether the held-out rule wins by cb.WIN_MARGIN on valid and test; and its z_c."""
-    out = cb.summarize(held, (HELD_OUT, "baseline"))
+    whether the held-out rule wins by cb.WIN_MARGIN on valid and test (None while runs are
+    missing); and its z_c (None without a fold)."""
+    out = cb.summarize(held, (HELD_OUT, "baseline"), seeds)
+    epochs = {g.corpus: g.epochs for g in grid}
     for entry in out:
-        entry["zoneout_cell"] = next(r["zoneout_cell"] for r in held
-                                     if r["corpus"] == entry["corpus"] and r["setting"] == HELD_OUT)
+        fold = folds.get(entry["corpus"])
+        entry["zoneout_cell"] = None if fold is None else fold[0].zoneout_cell(epochs[entry["corpus"]])
     return out
 
 
 def loco_markdown(config: cb.BenchmarkConfig, infos: list[dict], grid: list[GridRow], folds: dict,
-                  summary: list[dict], overall) -> str:
+                  summary: list[dict], overall, missing: list[str] = ()) -> str:
+    """OUT/loco.md: the held-out table, the grid (rows with any finished run) and each
+    fold's constants, the constants fitted on all corpora, the corpora."""
     budget = (f"{config.max_steps:,} steps" if config.max_steps is not None else f"{config.minutes:g} minutes")
     lines = [f"Leave-one-corpus-out: the defaults rule's zoneout chosen without each corpus, scored on it "
              f"({budget} per run, seeds {', '.join(map(str, config.seeds))}; Δ = held out - baseline, a win "
              f"when Δ <= -{cb.WIN_MARGIN:g} on valid and test).", "",
+             *(cb.report_lines(list(missing)) if config.report else []),
              "| corpus | E | z_c held out | held-out valid | baseline valid | Δ valid | held-out test | "
              "baseline test | Δ test | win |", "|---|---|---|---|---|---|---|---|---|---|"]
     epochs = {g.corpus: g.epochs for g in grid}
     for s in summary:
-        cells = [s["corpus"], f"{epochs[s['corpus']]:.1f}", f"{s['zoneout_cell']:g}",
+        e, z = epochs.get(s["corpus"]), s["zoneout_cell"]
+        cells = [s["corpus"], cb.fmt(e, 1), "-" if z is None else f"{z:g}",
                  cb.fmt(s["heldout_valid"]), cb.fmt(s["baseline_valid"]), cb.fmt(s["delta_valid"], signed=True),
                  cb.fmt(s["heldout_test"]), cb.fmt(s["baseline_test"]), cb.fmt(s["delta_test"], signed=True),
-                 "yes" if s[HELD_OUT + "_win"] else "no"]
+                 cb.win_cell(s, HELD_OUT, len(config.seeds))]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "The grid (seed 1, valid BPC by z_c; z_h = z_c x "
               f"{HIDDEN_SHARE:g}) and each fold's constants (chosen without the corpus):", "",
               "| corpus | E | " + " | ".join(f"z_c {z:g}" for z in GRID) + " | fold: start, full, cell |",
               "|---|---|" + "---|" * len(GRID) + "---|"]
     for g in grid:
-        c = folds[g.corpus][0]
+        fold = folds.get(g.corpus)
+        constants = "-" if fold is None else f"{fold[0].start:g}, {fold[0].full:g}, {fold[0].cell:g}"
         lines.append(f"| {g.corpus} | {g.epochs:.1f} | " + " | ".join(cb.fmt(g.valid.get(z)) for z in GRID)
-                     + f" | {c.start:g}, {c.full:g}, {c.cell:g} |")
+                     + f" | {constants} |")
     if overall is not None:
         c, s = overall
-        lines += ["", f"Fitted on every corpus: ZONEOUT_FROM {c.start:g}, ZONEOUT_FULL {c.full:g}, "
+        fitted = len(folds)
+        on = "every corpus" if fitted == len(infos) else f"the {fitted} corpora whose grid row is complete"
+        lines += ["", f"Fitted on {on}: ZONEOUT_FROM {c.start:g}, ZONEOUT_FULL {c.full:g}, "
                   f"ZONEOUT_CELL {c.cell:g}, ZONEOUT_HIDDEN {c.cell * HIDDEN_SHARE:g} (predicted valid "
                   f"{100 * s:.2f}% above each corpus's best grid point, on average)."]
     lines += ["", "Corpora: " + ", ".join(f"{i['name']} ({i['kind']}, {i['characters']:,} characters)"
