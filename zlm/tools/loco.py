@@ -159,11 +159,11 @@ def defaults_loco(config: cb.BenchmarkConfig = cb.BenchmarkConfig(),
             if len(mine) == len(GRID):  # only --report meets an incomplete row: no fit uses it
                 grid.append(shown[-1])
     folds = {r.corpus: fit(grid, exclude=r.corpus) for r in grid} if len(grid) > 1 or not config.report else {}
-    held = []
+    held, held_z = [], {}  # held_z: corpus -> its held-out z_c
     for corpus in corpora:
         if corpus.name in folds:
             g = next(g for g in grid if g.corpus == corpus.name)
-            z = folds[corpus.name][0].zoneout_cell(g.epochs)
+            z = held_z[corpus.name] = folds[corpus.name][0].zoneout_cell(g.epochs)
             for seed in config.seeds:
                 setting = grid_setting(z) if seed == 1 and z in GRID else f"heldout-zc{z:g}"
                 say(f"[held out] {corpus.name}: z_c {z:g} (chosen without it), seed {seed}")
@@ -181,7 +181,7 @@ def defaults_loco(config: cb.BenchmarkConfig = cb.BenchmarkConfig(),
             if got is not None:
                 held.append({**got[1], "corpus": corpus.name, "seed": seed, "setting": "baseline"})
     overall = fit(grid) if len(grid) > 1 else None
-    summary = summarize(held, len(config.seeds), folds, grid)
+    summary = summarize(held, len(config.seeds), held_z)
     md = loco_markdown(config, infos, shown, folds, summary, overall, missing)
     ckpt.write_json(out / "loco.json", {
         "recipe": NAME, "budget": config.budget(), "seeds": list(config.seeds), "grid_points": list(GRID),
@@ -197,15 +197,13 @@ def defaults_loco(config: cb.BenchmarkConfig = cb.BenchmarkConfig(),
 # ------------------------------------------------------------------ results
 
 
-def summarize(held: list[dict], seeds: int, folds: dict, grid: list[GridRow]) -> list[dict]:
+def summarize(held: list[dict], seeds: int, held_z: dict[str, float]) -> list[dict]:
     """Per corpus (`cb.summarize`): held-out and baseline means over the seeds, Δ and
     whether the held-out rule wins by cb.WIN_MARGIN on valid and test (None while runs are
-    missing); and its z_c (None without a fold)."""
+    missing); and its z_c from `held_z` (None without a fold)."""
     out = cb.summarize(held, (HELD_OUT, "baseline"), seeds)
-    epochs = {g.corpus: g.epochs for g in grid}
     for entry in out:
-        fold = folds.get(entry["corpus"])
-        entry["zoneout_cell"] = None if fold is None else fold[0].zoneout_cell(epochs[entry["corpus"]])
+        entry["zoneout_cell"] = held_z.get(entry["corpus"])
     return out
 
 
