@@ -19,6 +19,8 @@ from zlm.cli.render import handle_errors
 from zlm.core.config import Options, parse_duration
 from zlm.training.defaults import (
     AVERAGE_SHARE,
+    EVALS_PER_RUN,
+    PASSES_PER_EVAL,
     REGIMES,
     RULED,
     ZONEOUT_CELL,
@@ -48,7 +50,8 @@ def _default(name: str) -> str:
     if name == "hidden":
         rule = "the largest that trains on 10+ tokens per parameter, by corpus size and measured speed"
     elif name == "eval_every":
-        rule = "about 6 validations per run"
+        every = "per pass" if PASSES_PER_EVAL == 1 else f"every {PASSES_PER_EVAL:g} passes"
+        rule = f"about {EVALS_PER_RUN} validations per run, at least one {every} over the train split"
     elif name in ("zoneout_cell", "zoneout_hidden"):
         full = ZONEOUT_CELL if name == "zoneout_cell" else ZONEOUT_HIDDEN
         rule = (f"0 up to {ZONEOUT_FROM:g} expected passes, rising with log passes to {full:g} "

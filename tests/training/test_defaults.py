@@ -61,11 +61,14 @@ def test_size_and_regime_follow_from_corpus_size_and_speed(train_tokens, speed, 
     # Short windows: more updates for the same text (the regularised regime 25, the data-rich 50).
     assert s.bptt == (25 if regime == "regularised" else 50)
     assert f"bptt {s.bptt}," in rule.line
-    # About EVALS_PER_RUN validations in the run, rounded up to tens of steps of 32 x bptt tokens.
-    steps = rule.expected_epochs * train_tokens / (32 * s.bptt)
+    # About EVALS_PER_RUN validations in the run, and one a pass or more, rounded up to tens of
+    # steps of 32 x bptt tokens.
+    per_pass = train_tokens / (32 * s.bptt)
+    steps = rule.expected_epochs * per_pass
+    wanted = max(defaults.EVALS_PER_RUN, rule.expected_epochs / defaults.PASSES_PER_EVAL)
     assert s.eval_every >= defaults.MIN_EVAL_EVERY
-    assert steps / s.eval_every <= defaults.EVALS_PER_RUN
-    assert s.eval_every == defaults.MIN_EVAL_EVERY or steps / (s.eval_every - 10) > defaults.EVALS_PER_RUN
+    assert steps / s.eval_every <= wanted + 1e-9
+    assert s.eval_every == defaults.MIN_EVAL_EVERY or steps / (s.eval_every - 10) > wanted
     assert f"{rule.expected_epochs:.1f} epochs expected" in rule.line and "measured" in rule.line
     assert f"1x{hidden}," in rule.line
 
@@ -187,6 +190,7 @@ def test_the_plan_probes_only_for_a_budget_and_reads_the_stored_choice_back(corp
 
 def test_the_regimes_window_counts_the_steps_and_an_explicit_bptt_stays(corpus, tmp_path, monkeypatch):
     monkeypatch.setattr(speed_probe, "probe_tokens_per_s", lambda *a, **k: 50_000.0)
+    monkeypatch.setattr(defaults, "MIN_EVAL_EVERY", 1)  # a pass of this corpus is a few dozen steps
     ruled = _planned(corpus, tmp_path, "a", Options(time_budget=60.0, hidden=16)).spec.rule
     given = _planned(corpus, tmp_path, "b", Options(time_budget=60.0, hidden=16, bptt=50)).spec.rule
     assert ruled.regime == given.regime == "regularised"
@@ -197,9 +201,27 @@ def test_the_regimes_window_counts_the_steps_and_an_explicit_bptt_stays(corpus, 
     # A data-rich run decided from a probe at a window of 100 counts steps of 32 x 50.
     rich = decide(RunLength(10_594_014, time_budget=TEN_MINUTES, tokens_per_step=3200, bptt=100), 14_000.0)
     assert rich.regime == "data-rich" and rich.settings.bptt == 50
+    assert rich.expected_epochs < defaults.EVALS_PER_RUN * defaults.PASSES_PER_EVAL  # so EVALS_PER_RUN counts
     steps = rich.expected_epochs * 10_594_014 / 1600
     every = rich.settings.eval_every
     assert steps / every <= defaults.EVALS_PER_RUN < steps / (every - 10)
+
+
+def test_validation_comes_at_least_once_a_pass_and_without_a_step():
+    # A run of few passes validates EVALS_PER_RUN times; a run of many passes once a pass,
+    # so one that overfits after two passes still keeps a checkpoint from before it does.
+    per_pass = 10_000.0
+    assert defaults.eval_interval(3.0, per_pass) == 5000  # 30,000 steps / 6
+    assert defaults.eval_interval(23.4, per_pass) == 10_000  # one a pass, not 39,000
+    assert defaults.eval_interval(23.4, per_pass) * 2 <= 2 * per_pass
+    everies = [defaults.eval_interval(e / 10, per_pass) for e in range(1, 400)]
+    assert everies == sorted(everies)  # never fewer steps between validations for more passes
+    # No step: 1% more passes moves the interval by at most 1% and the rounding (10 steps).
+    for e in range(1, 400):
+        a, b = defaults.eval_interval(e / 10, per_pass), defaults.eval_interval(e / 10 * 1.01, per_pass)
+        assert b - a <= 0.01 * a + 10
+    assert defaults.eval_interval(100.0, 40.0) == defaults.MIN_EVAL_EVERY
+    assert all(defaults.eval_interval(e, per_pass) <= per_pass * defaults.PASSES_PER_EVAL for e in (6, 7, 50))
 
 
 TINY = ["--hidden", "16", "--embed", "8", "--batch-size", "4", "--bptt", "20", "--log-every", "100"]

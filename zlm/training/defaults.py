@@ -25,7 +25,9 @@ the batch is the smallest whose speed is within BATCH_SPEED_SHARE of the fastest
 updates for the same text), validation runs CUDA_EVAL_STREAMS streams, and a data-rich
 run keeps the fused cell (zoneout 0) unless cuDNN measured faster.
 
-With a length, validation runs about EVALS_PER_RUN times (--eval-every). Explicit
+With a length, validation runs about EVALS_PER_RUN times, and at least every
+PASSES_PER_EVAL passes over the train split (--eval-every): a run of many passes that
+overfits after two keeps a checkpoint from before it does. Explicit
 options win over every choice. The decision is stored in config.json ("defaults_rule")
 and a resumed run reads it back instead of deciding again. How each constant was chosen,
 and the measurements behind it, are in docs/defaults-rule.md.
@@ -49,6 +51,7 @@ ZONEOUT_HIDDEN = 0.05  # z_h at full strength
 AVERAGE_SHARE = 0.25  # the last share of a run of known length whose weights are averaged
 VALIDATION_SHARE = 0.1  # the part of a time budget validation and checkpoints take
 EVALS_PER_RUN = 6  # validations in a run of known length (and one at the end)
+PASSES_PER_EVAL = 1.0  # and at least one validation per this many passes over the train split
 MIN_EVAL_EVERY = 50
 HIDDEN_SIZES = (128, 256, 384, 512, 768, 1024)  # the sizes the rule picks from (more: --hidden)
 TOKENS_PER_PARAMETER = 10.0  # a model should train on at least this many tokens per parameter
@@ -211,11 +214,19 @@ def decide(length: RunLength, tokens_per_s: float | None = None, hidden: int | N
     settings = REGIMES[regime].options() | zoneout_for(epochs) | Options(average=AVERAGE_SHARE)
     if length.bptt_given:
         settings = Options(**{**settings.given(), "bptt": None})
-    steps = epochs * length.train_tokens / length.step_tokens(settings)
-    eval_every = max(MIN_EVAL_EVERY, int(math.ceil(steps / EVALS_PER_RUN / 10.0)) * 10)
+    eval_every = eval_interval(epochs, length.train_tokens / length.step_tokens(settings))
     settings = settings | Options(hidden=None if hidden is not None else size, eval_every=eval_every)
     return DefaultsRule(regime, epochs, tokens_per_s, settings,
                         _line(regime, epochs, tokens_per_s, probe_hidden, size, settings))
+
+
+def eval_interval(epochs: float, steps_per_pass: float) -> int:
+    """Steps between validations in a run of `epochs` passes of `steps_per_pass` steps:
+    EVALS_PER_RUN in the run, or one per PASSES_PER_EVAL passes when that is more often,
+    rounded up to tens of steps (MIN_EVAL_EVERY at least). Continuous up to the rounding and
+    non-decreasing in both arguments."""
+    steps = min(epochs / EVALS_PER_RUN, PASSES_PER_EVAL) * steps_per_pass
+    return max(MIN_EVAL_EVERY, int(math.ceil(steps / 10.0)) * 10)
 
 
 def _decide_gpu(length: RunLength, gpu: GpuSpeeds, hidden: int | None, probe_hidden: int) -> DefaultsRule:
