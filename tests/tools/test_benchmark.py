@@ -186,7 +186,8 @@ def test_record_continues_a_benchmark_on_a_machine_without_its_out(corpora, tmp_
     assert res.exit_code == 0, res.output
     first = json.loads(res.stdout)["runs"]
     kept = sorted(str(p.relative_to(tmp_path / "record")) for p in (tmp_path / "record").rglob("*") if p.is_file())
-    assert kept == sorted(f"fortunes-ru/{s}-seed1/{f}" for s in cb.SETTINGS for f in (*cb.RECORD_FILES, cb.RECORD_LOG))
+    assert kept == sorted(f"fortunes-ru/{s}-seed1/{f}" for s in cb.SETTINGS for f in (*cb.RECORD_FILES, cb.RECORD_LOG)
+                          if s == "baseline" or f != cb.BASELINE_RULE)  # a baseline's copy of the rule
 
     res = runner.invoke(app, [*args, "--out", str(tmp_path / "b")])  # another machine: OUT is new
     assert res.exit_code == 0, res.output
@@ -215,6 +216,54 @@ def test_record_continues_a_benchmark_on_a_machine_without_its_out(corpora, tmp_
     assert not (tmp_path / "d" / "fortunes-ru" / "defaults-seed2").exists()
     res = runner.invoke(app, ["recipe", "equal-budget", "--report"])
     assert res.exit_code == 2 and "--report does not apply" in res.output
+
+
+def test_a_run_planned_before_the_rule_changed_is_trained_again(corpora, tmp_path, monkeypatch):
+    """A run (in OUT or the record) planned otherwise than the rule plans it now is trained
+    again and its record replaced; a run the change leaves alone is kept; --report leaves a
+    stale run out of the tables. The plans are compared at each run's measured speed."""
+    from zlm.training import defaults
+
+    def record_of(setting: str) -> dict:
+        return json.loads((tmp_path / "record" / "fortunes-ru" / f"{setting}-seed1" / "config.json").read_text())
+
+    args = ["recipe", "corpora-benchmark", "--corpora", str(corpora), "--only", "fortunes-ru",
+            "--seeds", "1", "--max-steps", "3", "--hidden", "16", "--embed", "8", "--batch-size", "4",
+            "--bptt", "16", "--record", str(tmp_path / "record"), "--json"]
+    res = runner.invoke(app, [*args, "--out", str(tmp_path / "a")])
+    assert res.exit_code == 0, res.output
+    # The baseline validates as often in tokens: every 50 of 4 x 16 -> every 10 (at least) of 32 x 100.
+    assert (record_of("defaults")["train"]["eval_every"], record_of("baseline")["train"]["eval_every"]) == (50, 10)
+    assert (tmp_path / "record" / "fortunes-ru" / "baseline-seed1" / cb.BASELINE_RULE).is_file()
+
+    # The validation schedule changes: both settings take it, so both train again.
+    monkeypatch.setattr(defaults, "MIN_EVAL_EVERY", 1000)
+    res = runner.invoke(app, [*args, "--out", str(tmp_path / "a")])
+    assert res.exit_code == 0, res.output
+    assert "eval_every 50 -> 1000" in res.output and "eval_every 10 -> 20" in res.output
+    assert "moved to defaults-seed1.stale" in res.output and "moved to baseline-seed1.stale" in res.output
+    assert (record_of("defaults")["train"]["eval_every"], record_of("baseline")["train"]["eval_every"]) == (1000, 20)
+    for s in cb.SETTINGS:
+        assert (tmp_path / "a" / "fortunes-ru" / f"{s}-seed1.stale" / "config.json").is_file()
+        assert json.loads((tmp_path / "a" / "fortunes-ru" / f"{s}-seed1" / "config.json").read_text()) == record_of(s)
+
+    # Weight averaging changes: only the defaults retrain (from the record, on a fresh OUT);
+    # the baseline is restored, not trained.
+    monkeypatch.setattr(defaults, "AVERAGE_SHARE", 0.5)
+    res = runner.invoke(app, [*args, "--out", str(tmp_path / "b")])
+    assert res.exit_code == 0, res.output
+    assert "average 0.25 -> 0.5" in res.output and "the record is replaced" in res.output
+    assert record_of("defaults")["train"]["average"] == 0.5
+    assert (tmp_path / "b" / "fortunes-ru" / "defaults-seed1" / "checkpoints").is_dir()
+    assert not (tmp_path / "b" / "fortunes-ru" / "baseline-seed1" / "checkpoints").exists()
+
+    # --report after another change trains nothing and leaves the stale run out.
+    monkeypatch.setattr(defaults, "AVERAGE_SHARE", 0.3)
+    res = runner.invoke(app, [*args, "--report", "--out", str(tmp_path / "c")])
+    assert res.exit_code == 0, res.output
+    assert [r["setting"] for r in json.loads(res.stdout)["runs"]] == ["baseline"]
+    assert "fortunes-ru/defaults-seed1" in (tmp_path / "c" / "results.md").read_text()
+    assert record_of("defaults")["train"]["average"] == 0.5
 
 
 def test_record_log_drops_step_lines_and_thins_train_lines(tmp_path):

@@ -120,6 +120,36 @@ def test_spec_round_trips_through_its_dict(tmp_path, monkeypatch):
     assert RunSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
 
 
+def test_replay_decides_the_rule_again_at_the_measured_speed_without_probing(tmp_path, monkeypatch):
+    """`replay`: the spec a fresh plan gives now, at the stored run's measured speed; equal
+    while nothing changed, different once the rule changes, None for a CUDA decision."""
+    from zlm.data.dataset import Dataset
+    from zlm.training import defaults
+    from zlm.training.plan import replay
+
+    monkeypatch.setattr(speed_probe, "probe_tokens_per_s", lambda *a, **k: 14_000.0)
+    planned = plan(_tiny(tmp_path), Options(time_budget=60.0, seed=3), out=tmp_path / "run")
+    data = Dataset.open(tmp_path / "run" / "data")
+
+    def no_probe(*a, **k):
+        raise AssertionError("replay must not probe")
+
+    monkeypatch.setattr(speed_probe, "probe_tokens_per_s", no_probe)
+    again = replay(planned.spec, data, Options(time_budget=60.0, seed=3))
+    assert (again.model, again.train, again.rule) == (planned.spec.model, planned.spec.train, planned.spec.rule)
+    slower = replace(planned.spec, rule=replace(planned.spec.rule, tokens_per_s=20.0))
+    assert replay(slower, data, Options(time_budget=60.0, seed=3)).train != planned.spec.train
+    monkeypatch.setattr(defaults, "AVERAGE_SHARE", 0.5)
+    changed = replay(planned.spec, data, Options(time_budget=60.0, seed=3))
+    assert changed.train == replace(planned.spec.train, average=0.5) and changed.model == planned.spec.model
+    cuda = replace(planned.spec, rule=replace(planned.spec.rule, settings=planned.spec.rule.settings
+                                              | Options(batch_size=128)))
+    assert replay(cuda, data, Options(time_budget=60.0, seed=3)) is None
+    # A run planned with a preset replays that preset's configs.
+    preset_run = plan(_tiny(tmp_path), TINY, out=tmp_path / "preset", preset="cpu-small").spec
+    assert replay(preset_run, data, TINY).train == preset_run.train
+
+
 def _help(*args: str) -> str:
     r = CliRunner().invoke(app, [*args, "--help"], env={"COLUMNS": "400", "NO_COLOR": "1", "TERM": "dumb"})
     assert r.exit_code == 0, r.output

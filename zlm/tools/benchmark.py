@@ -23,9 +23,14 @@ results.json are kept, an unfinished run resumes from its latest checkpoint. Wit
 `--record DIR` each finished run's small files (RECORD_FILES: its spec, log and scores, no
 weights) are also copied to DIR/<corpus>/<setting>-seed<N>, and a run found there is
 restored instead of trained: a benchmark spread over machines whose OUT does not survive
-continues from the record (kept in git, say) where it stopped. `--report` trains nothing:
-it writes the tables from the runs finished so far (here or in the record), "-" where a
-run is missing, and lists what is left.
+continues from the record (kept in git, say) where it stopped. A run, here or in the
+record, planned otherwise than `run_plan` plans it now (the defaults rule, the baseline
+or a preset changed since) is trained again: `planned_now` decides its plan again at the
+speed it measured, without probing, and `stale` names the settings that differ; such a
+run in OUT is moved to OUT/<corpus>/<run>.stale, such a record is replaced once the new
+run finishes. `--report` trains nothing:
+it writes the tables from the runs finished so far (here or in the record; stale ones left
+out), "-" where a run is missing, and lists what is left.
 """
 
 from __future__ import annotations
@@ -35,21 +40,21 @@ import json
 import os
 import shutil
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from zlm.atomic import building
 from zlm.core import checkpoint as ckpt
 from zlm.core.config import Options, ScheduleConfig, TrainConfig
 from zlm.core.reporter import Reporter
-from zlm.core.spec import RunSpec, read_spec
+from zlm.core.spec import DefaultsRule, RunSpec, read_spec
 from zlm.data import benchmark_corpora as benchmark
 from zlm.data.dataset import Dataset
 from zlm.errors import UsageError, ZlmError
 from zlm.model.config import ModelConfig
 from zlm.tools.curves import read_run, read_runs
 from zlm.tools.recipes import RecipeResult, ReporterFactory, score_run
-from zlm.training.plan import Plan, plan
+from zlm.training.plan import Plan, plan, replay
 from zlm.training.presets import Preset
 from zlm.training.runner import run
 
@@ -72,7 +77,10 @@ SHARED_TRAIN = ("eval_every", "eval_streams", "device", "precision", "cell", "cu
 # its spec, not its checkpoints; and RECORD_LOG, its metrics.jsonl gzipped without the
 # per-step lines and with at most RECORD_TRAIN_POINTS of its train lines, evenly spaced,
 # the last always kept (a 10-minute run logs 23,000 steps and 2,300 train lines: 4 MB).
-RECORD_FILES = ("config.json", "results.json", "best/trainer.json", "best/dataset.json")
+# A baseline run's copy of the defaults rule's decision whose validation schedule it took:
+# its measured speed lets `planned_now` decide that schedule again without probing.
+BASELINE_RULE = "defaults_rule.json"
+RECORD_FILES = ("config.json", "results.json", "best/trainer.json", "best/dataset.json", BASELINE_RULE)
 RECORD_LOG = "metrics.jsonl.gz"
 RECORD_TRAIN_POINTS = 300
 SIZE_OPTIONS = ("hidden", "layers", "embed", "batch_size", "bptt", "eval_every", "log_every",
@@ -176,10 +184,60 @@ def run_plan(setting: str, data: Dataset, seed: int, config: BenchmarkConfig, ou
     if setting != "baseline":
         return plan(data.path, options | extra, out=run_dir, resume=resume, reporter=reporter)
     spec = zlm_defaults(data, options, out / f"defaults-seed{seed}")
-    model, train_cfg = baseline((spec.model, spec.train))
+    planned = plan(data.path, _baseline_options(spec, data, config), out=run_dir, preset=BASELINE,
+                   resume=resume, reporter=reporter)
+    if spec.rule is not None and planned.resume_from is None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        ckpt.write_json(run_dir / BASELINE_RULE, spec.rule.to_dict())
+    return planned
+
+
+def _baseline_options(defaults_spec: RunSpec, data: Dataset, config: BenchmarkConfig) -> Options:
+    model, train_cfg = baseline((defaults_spec.model, defaults_spec.train))
     model, train_cfg = Options(**(config.sizes or {})).apply(model, train_cfg, data.vocab_size)
-    return plan(data.path, Options.of(model, train_cfg), out=run_dir, preset=BASELINE, resume=resume,
-                reporter=reporter)
+    return Options.of(model, train_cfg)
+
+
+def planned_now(setting: str, data: Dataset, seed: int, config: BenchmarkConfig, out: Path,
+                stored: Path, extra: Options = Options()) -> RunSpec | None:
+    """What `run_plan` plans now for the run whose spec is in `stored` (its run dir or
+    record), without probing (`plan.replay`): a defaults-rule run decided again at the
+    speed it measured; the baseline from its defaults run replayed at that run's speed (its
+    BASELINE_RULE, else OUT/<corpus>/defaults-seed<N>). None when that cannot be told."""
+    spec = read_spec(stored)
+    options = Options(**config.budget(), seed=seed) | Options(**(config.sizes or {}))
+    if setting != "baseline":
+        return replay(spec, data, options | extra)
+    if (stored / BASELINE_RULE).is_file():
+        rule = DefaultsRule.from_dict(json.loads((stored / BASELINE_RULE).read_text(encoding="utf-8")))
+    elif (out / f"defaults-seed{seed}" / "config.json").is_file():
+        rule = read_spec(out / f"defaults-seed{seed}").rule
+    else:
+        return None
+    if rule is None:
+        return None
+    defaults_spec = replay(replace(spec, rule=rule), data, options)
+    if defaults_spec is None:
+        return None
+    return replay(spec, data, _baseline_options(defaults_spec, data, config), preset=BASELINE)
+
+
+def changed(stored: RunSpec, now: RunSpec) -> str:
+    """The model and training settings where `stored` differs from `now` ("" when none):
+    "eval_every 3690 -> 1260, ..."."""
+    parts = []
+    for mine, theirs in ((stored.model.to_dict(), now.model.to_dict()), (stored.train.to_dict(), now.train.to_dict())):
+        parts += [f"{k} {mine.get(k)} -> {theirs.get(k)}" for k in sorted(set(mine) | set(theirs))
+                  if mine.get(k) != theirs.get(k)]
+    return ", ".join(parts)
+
+
+def stale(setting: str, data: Dataset, seed: int, config: BenchmarkConfig, out: Path, stored: Path,
+          extra: Options = Options()) -> str:
+    """Why the run in `stored` is not what `run_plan` plans now ("" when it is, or when
+    that cannot be told): the defaults rule, the baseline or a preset changed since."""
+    now = planned_now(setting, data, seed, config, out, stored, extra)
+    return "" if now is None else changed(read_spec(stored), now)
 
 
 # ------------------------------------------------------------------ running
@@ -207,8 +265,29 @@ def train_once(setting: str, data: Dataset, seed: int, config: BenchmarkConfig, 
     None with config.report when the run is not finished (nothing is trained)."""
     run_dir = out / f"{setting}-seed{seed}"
     record = None if config.record is None else Path(config.record) / out.name / run_dir.name
-    if record is not None:
+    def say(text: str) -> None:
+        make_reporter().message(text)
+
+    if record is not None and (record / RECORD_LOG).is_file():
+        _check_budget(record, config)
+    # renew: the record holds a run planned otherwise than now, replaced once it is retrained
+    renew = record is not None and (record / RECORD_LOG).is_file() and stale(
+        setting, data, seed, config, out, record, extra)
+    if renew and not _finished(run_dir):
+        say(f"{record} was planned otherwise than now ({renew}): " + (
+            "left out of the tables" if config.report else "training it again; the record is replaced when it finishes"))
+    elif record is not None:
         restore_record(record, run_dir, config)
+    if (run_dir / "config.json").is_file():
+        why = stale(setting, data, seed, config, out, run_dir, extra)
+        if why and config.report:
+            say(f"{run_dir} was planned otherwise than now ({why}): left out of the tables")
+            return None
+        if why:
+            aside = run_dir.with_name(run_dir.name + ".stale")
+            shutil.rmtree(aside, ignore_errors=True)
+            run_dir.rename(aside)
+            say(f"{run_dir} was planned otherwise than now ({why}): moved to {aside.name}, training it again")
     resume = run_dir.is_dir() and any(run_dir.iterdir())
     if resume and (run_dir / "metrics.jsonl").is_file() and read_run(run_dir).finished:
         planned = Plan(run_dir, read_spec(run_dir))
@@ -221,9 +300,14 @@ def train_once(setting: str, data: Dataset, seed: int, config: BenchmarkConfig, 
             raise ZlmError(f"interrupted during {run_dir} (checkpoint saved); run the same zlm "
                            "recipe command again to continue")
     row = score_run(planned.run_dir, setting, planned.spec.train.device)
-    if record is not None and not (record / RECORD_LOG).is_file():
+    if record is not None and (renew or not (record / RECORD_LOG).is_file()):
         save_record(run_dir, record)
     return planned, row
+
+
+def _finished(run_dir: Path) -> bool:
+    return (run_dir / "results.json").is_file() and (run_dir / "metrics.jsonl").is_file() \
+        and read_run(run_dir).finished
 
 
 def _budget_of(run_dir: Path) -> dict:
@@ -233,18 +317,19 @@ def _budget_of(run_dir: Path) -> dict:
     return {"time_budget": train.time_budget}
 
 
+def _check_budget(record: Path, config: BenchmarkConfig) -> None:
+    if _budget_of(record) != config.budget():
+        raise UsageError(f"{record} was recorded with {_budget_of(record)}, this run has "
+                         f"{config.budget()}: pass the same budget or another --record")
+
+
 def restore_record(record: Path, run_dir: Path, config: BenchmarkConfig) -> None:
     """Put a recorded finished run in place of run_dir unless run_dir holds a finished run
     (an unfinished one's checkpoints are superseded); a record of another budget is refused
     (one line, naming the fix)."""
-    if not (record / RECORD_LOG).is_file():
+    if not (record / RECORD_LOG).is_file() or _finished(run_dir):
         return
-    if (run_dir / "results.json").is_file() and (run_dir / "metrics.jsonl").is_file() \
-            and read_run(run_dir).finished:
-        return
-    if _budget_of(record) != config.budget():
-        raise UsageError(f"{record} was recorded with {_budget_of(record)}, this run has "
-                         f"{config.budget()}: pass the same budget or another --record")
+    _check_budget(record, config)
     with building(run_dir) as tmp:
         _copy(record, tmp, RECORD_FILES)
         (tmp / "metrics.jsonl").write_bytes(gzip.decompress((record / RECORD_LOG).read_bytes()))

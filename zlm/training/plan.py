@@ -39,6 +39,8 @@ from zlm.training.presets import Preset, get_preset
 from zlm.training.resolve import resolve_fresh
 from zlm.training.run_dir import RunDir, default_run_dir
 
+PROBE = object()  # `_rule`'s speed when it measures this machine (a --time-budget needs it)
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -95,23 +97,43 @@ def plan(source: str | Path, options: Options = Options(), *, out: Path | None =
     return Plan(run_dir, spec, latest)
 
 
+def replay(stored: RunSpec, data: Dataset, options: Options, preset: Preset | None = None) -> RunSpec | None:
+    """The spec a fresh `plan(data, options, preset=...)` gives now, the defaults rule
+    decided again at the speed `stored` measured (no probe): its model and train configs
+    equal `stored`'s unless the rule or the preset changed since `stored` was planned
+    (`zlm.tools.benchmark` retrains a recorded run that no longer matches). preset: for a
+    run planned with a library caller's own `Preset` (None: the stored spec's preset name,
+    or the defaults rule when it has one). None when that cannot be told without probing:
+    the CUDA probe's readings (the batch it chose) are not stored."""
+    if stored.rule is not None and stored.rule.settings.batch_size is not None:
+        return None  # the CUDA branch chose the batch from readings config.json does not keep
+    chosen = None if stored.rule is not None else (preset or stored.preset)
+    speed = stored.rule.tokens_per_s if stored.rule is not None else None
+    return _fresh(data, options, chosen, stored.world_size, Reporter(), quiet=True, speed=speed)
+
+
 def _fresh(data: Dataset, options: Options, preset: str | Preset | None, world: int, rep: Reporter,
-           use_rule: bool = True) -> RunSpec:
+           use_rule: bool = True, quiet: bool = False, speed: float | None | object = PROBE) -> RunSpec:
     base = preset if isinstance(preset, Preset) else get_preset(preset)
-    rule = _rule(base, data, options, world, rep) if preset is None and use_rule else None
+    rule = _rule(base, data, options, world, rep, speed) if preset is None and use_rule else None
     chosen = (rule.settings if rule is not None else Options()) | options
     model, train = chosen.apply(base.model, base.train, data.vocab_size)
-    resolved = resolve_fresh(train, model, resolve_device(train.device, 0), rep.message if use_rule else None)
+    say = None if quiet or not use_rule else rep.message
+    resolved = resolve_fresh(train, model, resolve_device(train.device, 0), say)
     return RunSpec(model, train, resolved, data_ref(data), base.name, rule, world)
 
 
-def _rule(base: Preset, data: Dataset, options: Options, world: int, rep: Reporter) -> DefaultsRule:
-    """The defaults rule's decision; measures this machine's speed for a --time-budget."""
+def _rule(base: Preset, data: Dataset, options: Options, world: int, rep: Reporter,
+          speed: float | None | object = PROBE) -> DefaultsRule:
+    """The defaults rule's decision; measures this machine's speed for a --time-budget
+    (speed PROBE), or decides at the speed given (None: unknown)."""
     probe = defaults.probe_options() | options
     model, train = probe.apply(base.model, base.train, data.vocab_size)
     length = defaults.RunLength(data.split_info("train").tokens, train.time_budget, train.epochs,
                                 train.max_steps, train.batch_size * train.bptt * world, data.vocab_size,
                                 model.embed, train.bptt, options.bptt is not None, train.batch_size)
+    if speed is not PROBE:
+        return defaults.decide(length, speed, options.hidden, model.hidden)
     speed = gpu = None
     if defaults.needs_probe(length):
         from zlm.training import speed_probe
