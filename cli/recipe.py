@@ -47,10 +47,9 @@ def command(
         help="Seeds, one run per setting each (default: 1,2).", rich_help_panel=H_BENCH,
         show_default=False)] = None,
     record: Annotated[Path | None, typer.Option(
-        help="Also keep each finished run's spec, log and scores (no weights) in DIR, and "
-             "restore the runs found there instead of training them: continue on another "
-             "machine. A run planned otherwise than now (the defaults rule changed) is trained "
-             "again and its record replaced.", rich_help_panel=H_BENCH, metavar="DIR", show_default=False)] = None,
+        help="Also keep each finished run's spec, log and scores (no weights) in DIR, and restore the runs "
+             "found there instead of training them: continue on another machine. A run planned otherwise "
+             "than now (the defaults rule changed) is trained again and its record replaced.", rich_help_panel=H_BENCH, metavar="DIR", show_default=False)] = None,
     report: Annotated[bool, typer.Option(
         "--report", help="Train nothing: write the tables from the runs finished so far (here or "
         "in --record) and list the runs left.", rich_help_panel=H_BENCH)] = False,
