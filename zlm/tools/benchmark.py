@@ -268,16 +268,9 @@ def train_once(setting: str, data: Dataset, seed: int, config: BenchmarkConfig, 
     def say(text: str) -> None:
         make_reporter().message(text)
 
-    if record is not None and (record / RECORD_LOG).is_file():
+    recorded = record is not None and (record / RECORD_LOG).is_file()
+    if recorded:
         _check_budget(record, config)
-    # renew: the record holds a run planned otherwise than now, replaced once it is retrained
-    renew = record is not None and (record / RECORD_LOG).is_file() and stale(
-        setting, data, seed, config, out, record, extra)
-    if renew and not _finished(run_dir):
-        say(f"{record} was planned otherwise than now ({renew}): " + (
-            "left out of the tables" if config.report else "training it again; the record is replaced when it finishes"))
-    elif record is not None:
-        restore_record(record, run_dir, config)
     if (run_dir / "config.json").is_file():
         why = stale(setting, data, seed, config, out, run_dir, extra)
         if why and config.report:
@@ -288,6 +281,14 @@ def train_once(setting: str, data: Dataset, seed: int, config: BenchmarkConfig, 
             shutil.rmtree(aside, ignore_errors=True)
             run_dir.rename(aside)
             say(f"{run_dir} was planned otherwise than now ({why}): moved to {aside.name}, training it again")
+    # renew: why the record holds a run planned otherwise than now ("" if it does not); such
+    # a record is not restored, and is replaced once the run is trained again
+    renew = recorded and stale(setting, data, seed, config, out, record, extra)
+    if renew and not _finished(run_dir):
+        say(f"{record} was planned otherwise than now ({renew}): " + (
+            "left out of the tables" if config.report else "training it again; the record is replaced when it finishes"))
+    elif recorded:
+        restore_record(record, run_dir, config)
     resume = run_dir.is_dir() and any(run_dir.iterdir())
     if resume and (run_dir / "metrics.jsonl").is_file() and read_run(run_dir).finished:
         planned = Plan(run_dir, read_spec(run_dir))
@@ -300,7 +301,7 @@ def train_once(setting: str, data: Dataset, seed: int, config: BenchmarkConfig, 
             raise ZlmError(f"interrupted during {run_dir} (checkpoint saved); run the same zlm "
                            "recipe command again to continue")
     row = score_run(planned.run_dir, setting, planned.spec.train.device)
-    if record is not None and (renew or not (record / RECORD_LOG).is_file()):
+    if record is not None and (renew or not recorded):
         save_record(run_dir, record)
     return planned, row
 

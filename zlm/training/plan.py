@@ -109,17 +109,16 @@ def replay(stored: RunSpec, data: Dataset, options: Options, preset: Preset | No
         return None  # the CUDA branch chose the batch from readings config.json does not keep
     chosen = None if stored.rule is not None else (preset or stored.preset)
     speed = stored.rule.tokens_per_s if stored.rule is not None else None
-    return _fresh(data, options, chosen, stored.world_size, Reporter(), quiet=True, speed=speed)
+    return _fresh(data, options, chosen, stored.world_size, Reporter(), speed=speed)
 
 
 def _fresh(data: Dataset, options: Options, preset: str | Preset | None, world: int, rep: Reporter,
-           use_rule: bool = True, quiet: bool = False, speed: float | None | object = PROBE) -> RunSpec:
+           use_rule: bool = True, speed: float | None | object = PROBE) -> RunSpec:
     base = preset if isinstance(preset, Preset) else get_preset(preset)
     rule = _rule(base, data, options, world, rep, speed) if preset is None and use_rule else None
     chosen = (rule.settings if rule is not None else Options()) | options
     model, train = chosen.apply(base.model, base.train, data.vocab_size)
-    say = None if quiet or not use_rule else rep.message
-    resolved = resolve_fresh(train, model, resolve_device(train.device, 0), say)
+    resolved = resolve_fresh(train, model, resolve_device(train.device, 0), rep.message if use_rule else None)
     return RunSpec(model, train, resolved, data_ref(data), base.name, rule, world)
 
 
