@@ -59,6 +59,10 @@ def _rows(info: dict) -> list[tuple[str, str]]:
         rows.append(("generalisation gap", f"{info['valid_bpc'] - info['train_slice_bpc']:+.4f} BPC (valid "
                                            f"{info['valid_bpc']:.4f} - a train slice {info['train_slice_bpc']:.4f}, "
                                            "both in eval mode)"))
+    if info.get("cool_down"):
+        cool = info["cool_down"]
+        rows.append(("overfitting", f"seen at step {cool['at']}: back to step {cool['best_step']}'s weights (best/), "
+                                    f"lr cooled from {cool['lr']:.3g} to 0 until step {cool['until']}, then stopped"))
     if "run" in info:
         run = info["run"]
         rows.append(("run", f"{run['dir']}: {len(run['checkpoints'])} step checkpoints, "

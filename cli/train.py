@@ -20,6 +20,7 @@ from zlm.core.config import Options, parse_duration
 from zlm.training.defaults import (
     AVERAGE_SHARE,
     EVALS_PER_RUN,
+    ON_OVERFIT,
     PASSES_PER_EVAL,
     REGIMES,
     RULED,
@@ -58,6 +59,8 @@ def _default(name: str) -> str:
                 f"at {ZONEOUT_FULL:g} and more")
     elif name == "average":
         rule = f"{AVERAGE_SHARE:g}"
+    elif name == "on_overfit":
+        rule = ON_OVERFIT
     else:
         reg, rich = getattr(_REG, name), getattr(_RICH, name)
         rule = _fmt(reg) if reg == rich else f"{_fmt(reg)} when regularising, {_fmt(rich)} when data-rich"
@@ -115,6 +118,9 @@ def command(
     average: Annotated[float | None, _opt("Average the weights over this last share of the run; validation "
                                           "scores the average and best/ keeps it (0 = off; needs a run length).",
                                           H_TRAIN, "average")] = None,
+    on_overfit: Annotated[str | None, _opt("continue | cool-down: once valid BPC rises at two validations in a "
+                                           "row while train BPC falls, go back to best/, cool the lr to 0 over "
+                                           "one --eval-every interval and stop.", H_TRAIN, "on_overfit")] = None,
     seed: Annotated[int | None, _opt("Random seed.", H_TRAIN, "seed")] = None,
     device: Annotated[str | None, _opt("auto | cpu | cuda.", H_RUN, default="auto: cuda when available")] = None,
     precision: Annotated[str | None, _opt("auto | fp32 | bf16 | fp16.", H_RUN,
@@ -145,7 +151,7 @@ def command(
         dropout=dropout, cell=cell, batch_size=batch_size, bptt=bptt, lr=lr, optimizer=optimizer,
         weight_decay=weight_decay, clip=clip, schedule=schedule, warmup=warmup, epochs=epochs,
         max_steps=max_steps, time_budget=parse_duration(time_budget) if time_budget is not None else None,
-        eval_every=eval_every, state=state, reset_prob=reset_prob, average=average, seed=seed, device=device,
+        eval_every=eval_every, state=state, reset_prob=reset_prob, average=average, on_overfit=on_overfit, seed=seed, device=device,
         precision=precision, cuda_graphs=cuda_graphs, keep_last=keep_last, log_every=log_every,
         zero=zero or None)
     _train(source, options, out=out, preset=preset, resume=resume, mirror=mirror, unknown=unknown,

@@ -266,6 +266,40 @@ def test_a_run_planned_before_the_rule_changed_is_trained_again(corpora, tmp_pat
     assert record_of("defaults")["train"]["average"] == 0.5
 
 
+def test_a_run_the_overfitting_guard_leaves_alone_is_kept(corpora, tmp_path, monkeypatch):
+    """A defaults run recorded before the rule turned the overfitting guard on stands for a
+    run with it when its validations never meet the guard's test (the run trains the same);
+    when they do (the record's log rewritten to rise while the train slice falls), it is
+    stale and --report leaves it out, naming the change."""
+    from zlm.training import defaults
+
+    monkeypatch.setattr(defaults, "ON_OVERFIT", "continue")
+    args = ["recipe", "corpora-benchmark", "--corpora", str(corpora), "--only", "fortunes-ru",
+            "--seeds", "1", "--max-steps", "4", "--hidden", "16", "--embed", "8", "--batch-size", "4",
+            "--bptt", "16", "--record", str(tmp_path / "record"), "--json"]
+    res = runner.invoke(app, [*args, "--out", str(tmp_path / "a")])
+    assert res.exit_code == 0, res.output
+    record = tmp_path / "record" / "fortunes-ru" / "defaults-seed1"
+    assert json.loads((record / "config.json").read_text())["train"]["on_overfit"] == "continue"
+
+    monkeypatch.setattr(defaults, "ON_OVERFIT", "cool-down")
+    res = runner.invoke(app, [*args, "--report", "--out", str(tmp_path / "b")])
+    assert res.exit_code == 0, res.output
+    assert sorted(r["setting"] for r in json.loads(res.stdout)["runs"]) == ["baseline", "defaults"]
+    assert "on_overfit continue -> cool-down" not in res.output
+
+    log = [json.loads(line) for line in gzip.decompress((record / cb.RECORD_LOG).read_bytes()).splitlines()]
+    rising = [{"event": "eval", "step": s, "valid_bpc": v, "train_slice_bpc": t}
+              for s, v, t in ((1, 5.0, 4.9), (2, 5.2, 4.8), (3, 5.5, 4.7))]
+    log = [e for e in log if e["event"] != "eval" or e["step"] == 4] + rising
+    (record / cb.RECORD_LOG).write_bytes(gzip.compress("".join(json.dumps(e) + "\n" for e in log).encode()))
+    assert not cb.guard_idle(record)
+    res = runner.invoke(app, [*args, "--report", "--out", str(tmp_path / "c")])
+    assert res.exit_code == 0, res.output
+    assert [r["setting"] for r in json.loads(res.stdout)["runs"]] == ["baseline"]
+    assert "on_overfit continue -> cool-down" in res.output
+
+
 def test_record_log_drops_step_lines_and_thins_train_lines(tmp_path):
     run = tmp_path / "run"
     run.mkdir()

@@ -23,6 +23,7 @@ SCHEDULES = ("constant", "cosine", "plateau")
 DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 GRAPH_MODES = ("auto", "on", "off")
+OVERFIT_MODES = ("continue", "cool-down")  # --on-overfit (zlm.training.schedule)
 _MAX_LR = 3.4e37  # float32 max / 10: a larger lr overflows inside Adam's first step
 
 
@@ -62,6 +63,7 @@ class TrainConfig:
     state: str = "carry"  # carry: TBPTT streams, state carried | reset: paper's shuffled chunks
     reset_prob: float = 0.0  # carry: chance a stream's state is zeroed before a window
     average: float = 0.0  # the last share of a run whose weights are averaged (0: off); needs a run length
+    on_overfit: str = "continue"  # continue | cool-down: back to best/, lr to 0 over one interval, stop
     seed: int = 1234
     device: str = "auto"  # auto | cpu | cuda
     precision: str = "auto"  # auto | fp32 | bf16 | fp16
@@ -104,7 +106,7 @@ class TrainConfig:
 
 _CHOICES = (("optimizer", "optimizer", OPTIMIZERS), ("state", "state protocol", STATE_PROTOCOLS),
             ("device", "device", DEVICES), ("precision", "precision", PRECISIONS), ("cell", "cell", CELL_NAMES),
-            ("cuda_graphs", "--cuda-graphs", GRAPH_MODES))
+            ("cuda_graphs", "--cuda-graphs", GRAPH_MODES), ("on_overfit", "--on-overfit", OVERFIT_MODES))
 
 
 def flag(name: str) -> str:
@@ -148,6 +150,7 @@ class Options:
     state: str | None = None
     reset_prob: float | None = None
     average: float | None = None
+    on_overfit: str | None = None
     seed: int | None = None
     device: str | None = None
     precision: str | None = None

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import os
 import shutil
 import statistics
@@ -57,6 +58,7 @@ from zlm.tools.recipes import RecipeResult, ReporterFactory, score_run
 from zlm.training.plan import Plan, plan, replay
 from zlm.training.presets import Preset
 from zlm.training.runner import run
+from zlm.training.schedule import first_overfit
 
 NAME = "corpora-benchmark"
 SETTINGS = ("defaults", "baseline")
@@ -237,7 +239,44 @@ def stale(setting: str, data: Dataset, seed: int, config: BenchmarkConfig, out: 
     """Why the run in `stored` is not what `run_plan` plans now ("" when it is, or when
     that cannot be told): the defaults rule, the baseline or a preset changed since."""
     now = planned_now(setting, data, seed, config, out, stored, extra)
-    return "" if now is None else changed(read_spec(stored), now)
+    if now is None:
+        return ""
+    spec = read_spec(stored)
+    if spec.train.on_overfit != now.train.on_overfit and guard_idle(stored):
+        spec = replace(spec, train=replace(spec.train, on_overfit=now.train.on_overfit))
+    return changed(spec, now)
+
+
+def guard_idle(stored: Path) -> bool:
+    """Whether the overfitting guard (`--on-overfit cool-down`) never reacts on the run in
+    `stored` (its run dir or record): then the run trains the same with the guard on or off,
+    so a run recorded without it stands for one with it, and the other way round. It reacts
+    at a validation the run continues after (the last one ends the run either way)."""
+    evals = validations(stored)
+    if evals is None:
+        return False
+    history = [(e["valid_bpc"], e.get("train_slice_bpc")) for e in evals[:-1] if math.isfinite(e["valid_bpc"])]
+    return first_overfit(history) is None
+
+
+def validations(stored: Path) -> list[dict] | None:
+    """The eval events of the run in `stored` (run dir or record), one per step (a resumed
+    run's repeat replaces the first), in step order; None when it has no log."""
+    if (stored / "metrics.jsonl").is_file():
+        text = (stored / "metrics.jsonl").read_text(encoding="utf-8")
+    elif (stored / RECORD_LOG).is_file():
+        text = gzip.decompress((stored / RECORD_LOG).read_bytes()).decode("utf-8")
+    else:
+        return None
+    evals = {}
+    for line in text.splitlines():
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:  # a torn last line
+            continue
+        if event.get("event") == "eval":
+            evals[event["step"]] = event
+    return [evals[k] for k in sorted(evals)]
 
 
 # ------------------------------------------------------------------ running

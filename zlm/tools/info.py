@@ -76,6 +76,7 @@ def describe(path) -> dict:
         "valid_bpc": trainer.get("valid_bpc"),
         "best_valid_bpc": _finite(trainer.get("best_bpc")),
         "train_slice_bpc": trainer.get("train_slice_bpc"),
+        "cool_down": (trainer.get("overfit") or {}).get("cool_down"),  # the overfitting guard's reaction
         "model": spec.model.to_dict(),
         "parameters": sum(math.prod(s) for s in shapes.values()),
         "dtypes": dtypes,
@@ -92,18 +93,23 @@ def describe(path) -> dict:
     run = where.parent.parent if where.parent.name == "checkpoints" else where.parent
     steps = ckpt.step_dirs(run)
     if steps:
+        latest = _latest(steps)
         info["run"] = {"dir": str(run), "checkpoints": [p.name for p in steps],
-                       "latest_step": _latest_step(steps)}
+                       "latest_step": None if latest is None else latest[1]}
+        if latest is not None and info["cool_down"] is None and (latest[0] / "trainer.json").is_file():
+            info["cool_down"] = (read_json(latest[0] / "trainer.json", "trainer state").get("overfit")
+                                 or {}).get("cool_down")  # best/ keeps no trainer state: the run's latest does
     return info
 
 
-def _latest_step(steps: list[Path]) -> int | None:
+def _latest(steps: list[Path]) -> tuple[Path, int | None] | None:
+    """The newest complete step checkpoint and its step."""
     for p in reversed(steps):
         try:
             manifest = ckpt.verify(p, deep=False)
         except CheckpointError:
             continue
-        return manifest.get("step")
+        return p, manifest.get("step")
     return None
 
 

@@ -17,6 +17,9 @@ probe's tokens/s) and returns a `DefaultsRule` whose settings are typed `Options
     E >= OVERFIT_EPOCHS   the "regularised" regime's window and learning rate (REGIMES below)
     E <  OVERFIT_EPOCHS   the "data-rich" regime's
     average the weights over the last AVERAGE_SHARE of the run (`--average`)
+    overfitting   ON_OVERFIT: once valid BPC rises at two validations while the train
+            slice's falls, back to the best weights, lr cooled to 0 over one validation
+            interval, and stop (`--on-overfit`, `zlm.training.schedule`)
     no run length         "open": the preset as it is (it may run for many epochs)
 
 On CUDA the probe times the step the run will take (graphed fused cell, the resolved
@@ -49,6 +52,7 @@ ZONEOUT_FULL = 16.0  # expected passes from which it has the full ZONEOUT_CELL a
 ZONEOUT_CELL = 0.1  # z_c at full strength
 ZONEOUT_HIDDEN = 0.05  # z_h at full strength
 AVERAGE_SHARE = 0.25  # the last share of a run of known length whose weights are averaged
+ON_OVERFIT = "cool-down"  # what a run of known length does once it overfits (`zlm.training.schedule`)
 VALIDATION_SHARE = 0.1  # the part of a time budget validation and checkpoints take
 EVALS_PER_RUN = 6  # validations in a run of known length (and one at the end)
 PASSES_PER_EVAL = 1.0  # and at least one validation per this many passes over the train split
@@ -82,7 +86,7 @@ REGIMES = {
     "data-rich": Regime(layers=1, embed=64, reset_prob=0.02, lr=4e-3, schedule="cosine", bptt=50),
 }
 RULED = ("hidden", *REGIMES["regularised"].options().given(), "zoneout_cell", "zoneout_hidden", "average",
-         "eval_every")
+         "on_overfit", "eval_every")
 """The options the rule chooses (all others come from the preset)."""
 
 
@@ -211,7 +215,7 @@ def decide(length: RunLength, tokens_per_s: float | None = None, hidden: int | N
     size = hidden if hidden is not None else choose_hidden(length, tokens_per_s, probe_hidden)
     epochs = expected_epochs(length, tokens_per_s, size, probe_hidden)
     regime = "regularised" if epochs >= OVERFIT_EPOCHS else "data-rich"
-    settings = REGIMES[regime].options() | zoneout_for(epochs) | Options(average=AVERAGE_SHARE)
+    settings = REGIMES[regime].options() | zoneout_for(epochs) | Options(average=AVERAGE_SHARE, on_overfit=ON_OVERFIT)
     if length.bptt_given:
         settings = Options(**{**settings.given(), "bptt": None})
     eval_every = eval_interval(epochs, length.train_tokens / length.step_tokens(settings))
@@ -254,7 +258,8 @@ def _line(regime: str, epochs: float, tokens_per_s: float | None, probe_hidden: 
     return (f"{why} -> {s.layers}x{size}, z_c {s.zoneout_cell:g}, z_h {s.zoneout_hidden:g}, "
             f"reset-prob {s.reset_prob:g}, lr {s.lr:g} {s.schedule} over the run, "
             + (f"bptt {s.bptt}, " if s.bptt is not None else "")
-            + f"average the last {s.average:.0%}, validate every {s.eval_every} steps")
+            + f"average the last {s.average:.0%}, validate every {s.eval_every} steps"
+            + (", cool down and stop once it overfits" if s.on_overfit == "cool-down" else ""))
 
 
 def needs_probe(length: RunLength) -> bool:

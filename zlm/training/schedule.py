@@ -1,13 +1,37 @@
-"""Learning-rate schedules: constant, cosine with warmup, and reduce-on-plateau.
+"""Learning-rate schedules (constant, cosine with warmup, reduce-on-plateau) and the
+overfitting guard's cool-down.
 
 Constant and cosine are pure functions of the step (cosine under a --time-budget alone:
 of the training time spent, so the decay ends when the budget does); plateau keeps a
 little state (`state_dict`) that changes only when validation reports a BPC.
+
+The overfitting guard (`--on-overfit cool-down`): a run that has started to overfit is
+taken back to its best weights, its learning rate cooled to 0 over one validation
+interval, and stopped.
+
+A corpus that overfits after a pass or two wastes the rest of a run's budget: every later
+validation is worse than the best, and the best checkpoint is one taken at a high learning
+rate, never annealed. The guard watches what each validation measures, valid BPC and the
+eval-mode BPC of the fixed train slice (the generalisation gap's two sides):
+
+    overfitting   valid BPC rose at RISES validations in a row, by MIN_RISE of its value in
+                  all, while the train slice's BPC fell over them (the model still learns the
+                  train split and loses on held-out text)
+
+Once, at the first validation that shows it, the run reloads best/ (what validation scored
+best, the weight average included), starts the weight average afresh, and decays the
+learning rate linearly from the schedule's current value to 0 over the next --eval-every
+steps; the validation at their end is the run's last. The run's log says so ("overfit").
+
+`OverfitGuard` is part of the run's state (trainer.json's "overfit"): a resumed run keeps
+the recent validations and an unfinished cool-down, and continues exactly.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from zlm.core.config import ScheduleConfig
 from zlm.errors import UsageError
@@ -60,3 +84,91 @@ class LRSchedule:
 
     def load_state_dict(self, state: dict) -> None:
         self.scale, self.best, self.bad = float(state["scale"]), float(state["best"]), int(state["bad"])
+
+
+# ------------------------------------------------------------------ the overfitting guard
+RISES = 2  # validations in a row at which valid BPC rose (while the train slice fell)
+MIN_RISE = 0.01  # by this share of its value over them at least (less is noise between validations)
+
+
+def overfitting(history: Sequence[tuple[float, float | None]], rises: int = RISES,
+                min_rise: float = MIN_RISE) -> bool:
+    """Whether the last `rises` validations of `history` ((valid BPC, train-slice BPC) in
+    order) each scored valid worse than the one before, by `min_rise` of the first's value
+    in all, while the train slice scored better at the last than at the first of them."""
+    if len(history) < rises + 1:
+        return False
+    recent = history[-(rises + 1):]
+    valid = [v for v, _ in recent]
+    first, last = recent[0][1], recent[-1][1]
+    if first is None or last is None:
+        return False
+    rose = all(b > a for a, b in zip(valid[:-1], valid[1:], strict=True))
+    rose = rose and valid[-1] - valid[0] >= min_rise * valid[0]
+    return rose and last < first
+
+
+def first_overfit(history: Sequence[tuple[float, float | None]], rises: int = RISES) -> int | None:
+    """The index of the first validation in `history` at which the guard reacts (None: never)."""
+    for k in range(rises, len(history)):
+        if overfitting(history[: k + 1], rises):
+            return k
+    return None
+
+
+@dataclass
+class CoolDown:
+    """The reaction under way: steps (at, until] at a learning rate falling from `lr` to 0."""
+
+    at: int  # the step of the validation that showed overfitting
+    until: int  # the run stops after this step
+    lr: float  # the schedule's learning rate when it reacted
+    best_step: int  # the step whose weights (best/) it went back to
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of the optimizer step after `step` steps (linear to 0 at `until`)."""
+        return self.lr * max(self.until - step, 0) / max(self.until - self.at, 1)
+
+
+class OverfitGuard:
+    """Watches validations (`observe`) and holds the cool-down once it reacted.
+
+    mode: "continue" (never reacts; the run only records what it sees) or "cool-down".
+    """
+
+    def __init__(self, mode: str):
+        self.mode = mode
+        self.history: list[tuple[float, float | None]] = []  # the last RISES + 1 validations
+        self.cool: CoolDown | None = None
+
+    def observe(self, valid: float, train_slice: float | None) -> bool:
+        """One validation's scores; True when the run should react now (once per run). A
+        non-finite valid BPC (a diverged model, not an overfitting one) is not watched."""
+        if not math.isfinite(valid):
+            return False
+        self.history = [*self.history, (valid, train_slice)][-(RISES + 1):]
+        return self.mode == "cool-down" and self.cool is None and overfitting(self.history)
+
+    def react(self, step: int, steps: int, lr: float, best_step: int) -> CoolDown:
+        self.cool = CoolDown(at=step, until=step + steps, lr=lr, best_step=best_step)
+        return self.cool
+
+    def lr(self, step: int, scheduled: float) -> float:
+        """The learning rate for the step after `step`: the schedule's, or the cool-down's."""
+        return scheduled if self.cool is None else self.cool.lr_at(step)
+
+    def finished(self, step: int) -> bool:
+        """The cool-down is over: the run stops."""
+        return self.cool is not None and step >= self.cool.until
+
+    def state_dict(self) -> dict:
+        cool = self.cool
+        return {"history": [list(h) for h in self.history],
+                "cool_down": None if cool is None else {"at": cool.at, "until": cool.until, "lr": cool.lr,
+                                                        "best_step": cool.best_step}}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        state = state or {}
+        self.history = [(float(v), None if t is None else float(t)) for v, t in state.get("history", [])]
+        cool = state.get("cool_down")
+        self.cool = None if cool is None else CoolDown(**cool)

@@ -10,7 +10,8 @@ tensors), the world size and the total number of streams.
 The `Checkpointer` takes the stateful parts as one mapping (each part has `state_dict()` /
 `load_state_dict()`): model, optimizer, scaler, streams, schedule, train_state, rng; and
 the weight average (`zlm.training.averaging`), written to average.safetensors with its
-count in trainer.json once averaging has started.
+count in trainer.json once averaging has started; and the overfitting guard
+(`zlm.training.schedule`: its recent validations and cool-down, trainer.json's "overfit").
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ class Checkpointer:
     """Writes a run's training checkpoints (rank 0) and restores them (every rank).
 
     parts: {"model", "optimizer", "scaler", "streams", "schedule", "train_state", "rng"} and,
-    optionally, "average".
+    optionally, "average" and "overfit".
     """
 
     def __init__(self, run_dir: Path, config: dict, data: Dataset, par, keep_last: int):
@@ -121,6 +122,7 @@ class Checkpointer:
             "scaler": scaler.state_dict() if scaler.is_enabled() else None, "rng": rngs,
             "carried_state": "state.safetensors" if tensors else None,
             "average": {"count": parts["average"].count, "file": "average.safetensors"} if average else None,
+            "overfit": parts["overfit"].state_dict() if "overfit" in parts else None,
         }
         final = self.run_dir / "checkpoints" / f"step-{trainer['step']:08d}"
         self._write(final, parts["model"], opt_state, tensors, trainer, average)
@@ -185,6 +187,8 @@ class Checkpointer:
                  f"hidden state and optimizer continue exactly; dropout/zoneout masks are drawn afresh")
         parts["train_state"].load_state_dict(trainer)
         parts["train_state"].last_good = str(path)
+        if "overfit" in parts:
+            parts["overfit"].load_state_dict(trainer.get("overfit"))
         if trainer.get("average") and "average" in parts:
             mean, _ = ckpt.read_tensors(path / trainer["average"]["file"])
             parts["average"].load(mean, trainer["average"]["count"])

@@ -13,6 +13,7 @@ from outside the model: `distributed.setup` wraps it, `Runtime` casts, `TrainSte
 
 from __future__ import annotations
 
+import json
 import math
 import signal
 import threading
@@ -23,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from zlm.core import checkpoint as ckpt
 from zlm.core.config import TrainConfig
 from zlm.core.eval_protocol import EvalProtocol, evaluate_tokens
 from zlm.core.metrics import LN2
@@ -40,7 +42,7 @@ from zlm.training.init_from import load_parent_weights
 from zlm.training.plan import Plan
 from zlm.training.resolve import cell_for
 from zlm.training.run_dir import RunDir
-from zlm.training.schedule import LRSchedule
+from zlm.training.schedule import LRSchedule, OverfitGuard
 from zlm.training.state import Checkpointer, RNGState, TrainState
 from zlm.training.step import TrainStep, build_optimizer, describe_mode, step_mode
 
@@ -91,6 +93,7 @@ class Trainer:
         self.schedule = LRSchedule(cfg.schedule, cfg.lr, self.total_steps, cfg.time_budget)
         self.state, self.carried = TrainState(), None
         self.average = WeightAverage(cfg.average, list(self.model.named_parameters()))
+        self.guard = OverfitGuard(cfg.on_overfit)
         self.pending: list[StepResult] = []  # steps whose numbers are not read yet (`_flush`)
         self.run = RunDir(self.run_dir)
         self.config = spec.to_dict()
@@ -114,7 +117,7 @@ class Trainer:
         """The stateful parts a checkpoint holds (each has state_dict / load_state_dict)."""
         return {"model": self.model, "optimizer": self.optimizer, "scaler": self.scaler,
                 "streams": self.streams, "schedule": self.schedule, "train_state": self.state,
-                "average": self.average, "rng": RNGState(self.runtime.device)}
+                "average": self.average, "overfit": self.guard, "rng": RNGState(self.runtime.device)}
 
     def _load(self, latest: Path) -> Path:
         """Every part, the carried state included, from `latest`."""
@@ -138,7 +141,7 @@ class Trainer:
                 self._record(result, meter)
                 if self.state.step % self.cfg.eval_every == 0:
                     self._flush(meter)
-                    self.validate()
+                    self._watch(self.validate())
                     self.save("every --eval-every steps")
             self._flush(meter)
             self.state.elapsed = meter.elapsed()
@@ -150,8 +153,11 @@ class Trainer:
         return self._finish(stop.signal)
 
     def done(self) -> bool:
-        """The planned steps (--max-steps, --epochs) are taken or the --time-budget is spent."""
+        """The planned steps (--max-steps, --epochs) are taken, the --time-budget is spent, or
+        the overfitting guard's cool-down is over."""
         s = self.state
+        if self.guard.finished(s.step):
+            return True
         if self.total_steps is not None and s.step >= self.total_steps:
             return True
         return self.cfg.time_budget is not None and s.elapsed >= self.cfg.time_budget
@@ -169,7 +175,7 @@ class Trainer:
         x = x.to(self.runtime.device, non_blocking=True)
         y = y.to(self.runtime.device, non_blocking=True)
         carried = self._carried_for(batch, x.shape[1])
-        lr = self.schedule.lr(s.step, s.elapsed)
+        lr = self.guard.lr(s.step, self.schedule.lr(s.step, s.elapsed))
         self.ddp_model.train()
         numbers, self.carried = self.step_fn(x, y, carried, lr, s.step)  # maybe one graph replay
         s.step += 1
@@ -254,6 +260,28 @@ class Trainer:
                 self.run.write_best(self.model, self.config, self.data, s.step, bpc)
         return bpc
 
+    def _watch(self, bpc: float) -> None:
+        """Show this validation to the overfitting guard (`--on-overfit`); when it reacts: the
+        weights of best/ back in the model, the weight average afresh, and the cool-down."""
+        s = self.state
+        if not self.guard.observe(bpc, s.train_slice_bpc):
+            return
+        self.par.barrier()  # rank 0 has written best/
+        best = ckpt.load(self.run_dir / "best")
+        ckpt.load_weights(self.model, best.model, best.path)
+        best_step = int(json.loads((best.path / "trainer.json").read_text(encoding="utf-8"))["step"])
+        self.average.load({}, 0)
+        cool = self.guard.react(s.step, self.cfg.eval_every, self.schedule.lr(s.step, s.elapsed), best_step)
+        valid = " -> ".join(f"{v:.3f}" for v, _ in self.guard.history)
+        train = " -> ".join(f"{t:.3f}" for _, t in self.guard.history)
+        self.rep.message(f"overfitting: valid BPC rose at the last validations ({valid}) while the train "
+                         f"slice's fell ({train}); back to best/ (step {best_step}, {s.best_bpc:.3f}), lr "
+                         f"cooled from {cool.lr:.3g} to 0 over {cool.until - cool.at} steps, then the run "
+                         f"stops (--on-overfit cool-down)")
+        if self.par.is_main:
+            self.log.write("overfit", step=s.step, best_step=best_step, lr=cool.lr, until=cool.until,
+                           valid=[v for v, _ in self.guard.history], train_slice=[t for _, t in self.guard.history])
+
     def _train_slice_bpc(self) -> float:
         """BPC in eval mode on the first `gap_tokens` tokens of the train split, measured as
         validation is: valid BPC minus this is the generalisation gap shown while training."""
@@ -298,11 +326,18 @@ class Trainer:
         if self.state.step % self.cfg.log_every == 0:
             self._flush(meter)
             if meter.tokens:
-                rec = meter.record(self.state, r.lr, self.total_steps,
+                rec = meter.record(self.state, r.lr, self._last_step(),
                                    self.cfg.time_budget, self.chars_per_token, self.par.world)
                 if self.par.is_main:
                     self.log.write("train", **rec)
                 self.rep.log(rec)
+
+    def _last_step(self) -> int | None:
+        """The step the run ends at, as far as steps tell (the cool-down's end once it began)."""
+        cool = self.guard.cool
+        if cool is None:
+            return self.total_steps
+        return cool.until if self.total_steps is None else min(cool.until, self.total_steps)
 
     def _flush(self, meter: _Meter) -> None:
         """Read the pending steps' numbers in one host read; log each step, count non-finite
@@ -337,6 +372,7 @@ class Trainer:
         s = self.state
         summary = {"step": s.step, "best_valid_bpc": s.best_bpc, "elapsed_s": round(s.elapsed, 1),
                    "run": str(self.run_dir),
+                   **({"overfit_at": self.guard.cool.at} if self.guard.cool is not None else {}),
                    "interrupted": signal.Signals(interrupted).name if interrupted else None}
         if self.par.is_main:
             self.log.write("finish", **summary)

@@ -1,0 +1,146 @@
+"""--on-overfit cool-down: the overfitting test, the guard's cool-down and state, and a run
+that reacts (back to best/, lr to 0 over one interval, stop), resumed exactly mid-cool-down."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from conftest import train_run
+from zlm.cli import app
+from zlm.core.config import TrainConfig
+from zlm.core.metrics import LN2, Score, read_metrics
+from zlm.data.dataset import Dataset
+from zlm.errors import UsageError
+from zlm.model.lm import ModelConfig
+from zlm.training import trainer as trainer_mod
+from zlm.training.schedule import MIN_RISE, OverfitGuard, first_overfit, overfitting
+
+
+def test_overfitting_needs_two_rises_by_enough_while_the_train_slice_falls():
+    assert overfitting([(3.0, 2.9), (3.1, 2.8), (3.3, 2.7)])
+    assert not overfitting([(3.1, 2.8), (3.3, 2.7)])  # two validations: one rise
+    assert not overfitting([(3.0, 2.9), (3.3, 2.8), (3.1, 2.7)])  # rose, then fell
+    assert not overfitting([(3.0, 2.9), (3.1, 2.95), (3.3, 3.0)])  # the train slice rose too: not overfitting
+    small = 3.0 * MIN_RISE * 0.9  # two rises smaller in all than MIN_RISE of 3.0: noise
+    assert not overfitting([(3.0, 2.9), (3.0 + small / 2, 2.8), (3.0 + small, 2.7)])
+    assert not overfitting([(3.0, None), (3.1, None), (3.3, None)])  # no train slice measured
+    assert first_overfit([(3.0, 2.9), (2.9, 2.8), (3.0, 2.7), (3.2, 2.6), (3.5, 2.5)]) == 3
+    assert first_overfit([(3.0, 2.9), (2.9, 2.8), (2.8, 2.7)]) is None
+
+
+def test_the_guard_reacts_once_cools_linearly_and_keeps_its_state():
+    guard = OverfitGuard("cool-down")
+    assert [guard.observe(v, t) for v, t in [(3.0, 2.9), (3.1, 2.8)]] == [False, False]
+    assert not guard.observe(math.inf, 2.7)  # a diverged validation is not watched
+    assert guard.observe(3.3, 2.7)
+    assert guard.lr(15, 2e-3) == 2e-3 and not guard.finished(15)
+    cool = guard.react(15, 5, 2e-3, best_step=5)
+    assert [guard.lr(s, 9.0) for s in range(15, 21)] == pytest.approx([2e-3, 1.6e-3, 1.2e-3, 8e-4, 4e-4, 0.0])
+    assert guard.finished(20) and not guard.finished(19)
+    assert not guard.observe(3.5, 2.6)  # once per run
+    again = OverfitGuard("cool-down")
+    again.load_state_dict(guard.state_dict())
+    assert again.cool == cool and again.history == guard.history
+    fresh = OverfitGuard("cool-down")
+    fresh.load_state_dict(None)  # a checkpoint written before the guard existed
+    assert fresh.history == [] and fresh.cool is None
+    watching = OverfitGuard("continue")  # records, never reacts
+    assert not any(watching.observe(v, t) for v, t in [(3.0, 2.9), (3.1, 2.8), (3.3, 2.7)])
+    with pytest.raises(UsageError, match="--on-overfit continue or cool-down"):
+        TrainConfig(on_overfit="stop")
+
+
+VALID = {5: 3.0, 10: 3.1, 15: 3.3, 20: 3.05}  # step -> scripted valid BPC: rises at 10 and 15
+TRAIN = {5: 2.9, 10: 2.8, 15: 2.7, 20: 2.65}  # and the train slice falls
+
+
+@pytest.fixture
+def scripted(monkeypatch):
+    """Validation scores VALID/TRAIN at their steps (the real scores at other steps), so a
+    tiny run overfits on cue."""
+    real_eval, real_slice, real_validate = trainer_mod.evaluate_tokens, trainer_mod.Trainer._train_slice_bpc, \
+        trainer_mod.Trainer.validate
+    now = {}
+
+    def validate(self):
+        now["step"] = self.state.step
+        return real_validate(self)
+
+    def evaluate(*args, **kwargs):
+        score = real_eval(*args, **kwargs)
+        if now["step"] not in VALID:
+            return score
+        return Score(nats=VALID[now["step"]] * score.characters * LN2, tokens=score.tokens,
+                     characters=score.characters, bytes=score.bytes)
+
+    def train_slice(self):
+        return TRAIN.get(self.state.step) or real_slice(self)
+
+    monkeypatch.setattr(trainer_mod.Trainer, "validate", validate)
+    monkeypatch.setattr(trainer_mod, "evaluate_tokens", evaluate)
+    monkeypatch.setattr(trainer_mod.Trainer, "_train_slice_bpc", train_slice)
+
+
+def _cfgs(data, **train_kw):
+    mc = ModelConfig(vocab_size=data.vocab_size, hidden=32, embed=8, zoneout_cell=0.3, zoneout_hidden=0.1)
+    kw = dict(batch_size=4, bptt=20, eval_every=5, log_every=1, seed=7, eval_streams=4, max_steps=40,
+              lr=2e-3, keep_last=20, on_overfit="cool-down")
+    kw.update(train_kw)
+    return mc, TrainConfig(**kw)
+
+
+def test_a_run_that_overfits_goes_back_to_best_cools_down_and_stops(tiny_data, tmp_path, scripted):
+    data = Dataset.open(tiny_data)
+    summary = train_run(tmp_path / "run", data, *_cfgs(data))
+    assert summary["step"] == 20 and summary["overfit_at"] == 15  # 40 planned
+    events = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    (overfit,) = [e for e in events if e["event"] == "overfit"]
+    assert (overfit["step"], overfit["best_step"], overfit["until"]) == (15, 5, 20)
+    assert overfit["valid"] == pytest.approx([3.0, 3.1, 3.3]) and overfit["train_slice"] == [2.9, 2.8, 2.7]
+    lrs = {e["step"]: e["lr"] for e in events if e["event"] == "step"}
+    assert [lrs[s] for s in range(11, 16)] == [2e-3] * 5
+    assert [lrs[s] for s in range(16, 21)] == pytest.approx([2e-3, 1.6e-3, 1.2e-3, 8e-4, 4e-4])
+    ck = tmp_path / "run" / "checkpoints"
+    at_best, after = (load_file(str(ck / f"step-{s:08d}" / "model.safetensors")) for s in (5, 15))
+    assert all(torch.equal(at_best[k], after[k]) for k in at_best)  # the weights of step 5 back at 15
+    best = load_file(str(tmp_path / "run" / "best" / "model.safetensors"))
+    assert all(torch.equal(at_best[k], best[k]) for k in best)  # 3.05 at step 20 is not better than 3.0
+
+    shown = CliRunner().invoke(app, ["info", str(tmp_path / "run")])
+    assert shown.exit_code == 0, shown.output
+    assert "overfitting: seen at step 15: back to step 5's weights (best/), lr cooled from 0.002 to 0 until " \
+           "step 20, then stopped" in shown.output
+
+    summary = train_run(tmp_path / "on", data, *_cfgs(data, on_overfit="continue"))
+    assert summary["step"] == 40 and "overfit_at" not in summary
+    assert not [e for e in read_metrics(tmp_path / "on" / "metrics.jsonl") if e["event"] == "overfit"]
+
+
+def test_a_cool_down_resumes_exactly(tiny_data, tmp_path, scripted):
+    data = Dataset.open(tiny_data)
+    mc, tc = _cfgs(data)
+    train_run(tmp_path / "a", data, mc, tc)
+
+    def kill_at_17(step, loss):
+        if step == 16:  # during the 17th step: two steps into the cool-down
+            os.kill(os.getpid(), signal.SIGTERM)
+        return loss
+
+    summary = train_run(tmp_path / "b", data, mc, tc, fault=kill_at_17)
+    assert summary["interrupted"] == "SIGTERM" and summary["step"] == 17
+    summary = train_run(tmp_path / "b", data, mc, tc, resume=True)
+    assert summary["step"] == 20 and summary["overfit_at"] == 15
+
+    def log(run, kind, *fields):
+        return [tuple(e[f] for f in fields) for e in read_metrics(run / "metrics.jsonl") if e["event"] == kind]
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert log(a, "step", "step", "loss", "lr") == log(b, "step", "step", "loss", "lr")  # bit-identical
+    assert log(a, "eval", "step", "valid_bpc") == log(b, "eval", "step", "valid_bpc")
