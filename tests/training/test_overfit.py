@@ -1,5 +1,6 @@
 """--on-overfit cool-down: the overfitting test, the guard's cool-down and state, and a run
-that reacts (back to best/, lr to 0 over one interval, stop), resumed exactly mid-cool-down."""
+that reacts (back to best/, half the lr to 0 over half an interval, stop), resumed exactly
+mid-cool-down."""
 
 from __future__ import annotations
 
@@ -41,8 +42,9 @@ def test_the_guard_reacts_once_cools_linearly_and_keeps_its_state():
     assert not guard.observe(math.inf, 2.7)  # a diverged validation is not watched
     assert guard.observe(3.3, 2.7)
     assert guard.lr(15, 2e-3) == 2e-3 and not guard.finished(15)
-    cool = guard.react(15, 5, 2e-3, best_step=5)
-    assert [guard.lr(s, 9.0) for s in range(15, 21)] == pytest.approx([2e-3, 1.6e-3, 1.2e-3, 8e-4, 4e-4, 0.0])
+    cool = guard.react(15, 10, 2e-3, best_step=5)  # half of 10 steps from half of 2e-3
+    assert (cool.at, cool.until, cool.lr) == (15, 20, 1e-3)
+    assert [guard.lr(s, 9.0) for s in range(15, 21)] == pytest.approx([1e-3, 8e-4, 6e-4, 4e-4, 2e-4, 0.0])
     assert guard.finished(20) and not guard.finished(19)
     assert not guard.observe(3.5, 2.6)  # once per run
     again = OverfitGuard("cool-down")
@@ -57,8 +59,8 @@ def test_the_guard_reacts_once_cools_linearly_and_keeps_its_state():
         TrainConfig(on_overfit="stop")
 
 
-VALID = {5: 3.0, 10: 3.1, 15: 3.3, 20: 3.05}  # step -> scripted valid BPC: rises at 10 and 15
-TRAIN = {5: 2.9, 10: 2.8, 15: 2.7, 20: 2.65}  # and the train slice falls
+VALID = {10: 3.0, 20: 3.1, 30: 3.3, 35: 3.05}  # step -> scripted valid BPC: rises at 20 and 30
+TRAIN = {10: 2.9, 20: 2.8, 30: 2.7, 35: 2.65}  # and the train slice falls
 
 
 @pytest.fixture
@@ -90,7 +92,7 @@ def scripted(monkeypatch):
 
 def _cfgs(data, **train_kw):
     mc = ModelConfig(vocab_size=data.vocab_size, hidden=32, embed=8, zoneout_cell=0.3, zoneout_hidden=0.1)
-    kw = dict(batch_size=4, bptt=20, eval_every=5, log_every=1, seed=7, eval_streams=4, max_steps=40,
+    kw = dict(batch_size=4, bptt=20, eval_every=10, log_every=1, seed=7, eval_streams=4, max_steps=60,
               lr=2e-3, keep_last=20, on_overfit="cool-down")
     kw.update(train_kw)
     return mc, TrainConfig(**kw)
@@ -99,27 +101,28 @@ def _cfgs(data, **train_kw):
 def test_a_run_that_overfits_goes_back_to_best_cools_down_and_stops(tiny_data, tmp_path, scripted):
     data = Dataset.open(tiny_data)
     summary = train_run(tmp_path / "run", data, *_cfgs(data))
-    assert summary["step"] == 20 and summary["overfit_at"] == 15  # 40 planned
+    assert summary["step"] == 35 and summary["overfit_at"] == 30  # 60 planned
     events = read_metrics(tmp_path / "run" / "metrics.jsonl")
     (overfit,) = [e for e in events if e["event"] == "overfit"]
-    assert (overfit["step"], overfit["best_step"], overfit["until"]) == (15, 5, 20)
+    assert (overfit["step"], overfit["best_step"], overfit["until"]) == (30, 10, 35)
     assert overfit["valid"] == pytest.approx([3.0, 3.1, 3.3]) and overfit["train_slice"] == [2.9, 2.8, 2.7]
     lrs = {e["step"]: e["lr"] for e in events if e["event"] == "step"}
-    assert [lrs[s] for s in range(11, 16)] == [2e-3] * 5
-    assert [lrs[s] for s in range(16, 21)] == pytest.approx([2e-3, 1.6e-3, 1.2e-3, 8e-4, 4e-4])
+    assert [lrs[s] for s in range(21, 31)] == [2e-3] * 10
+    assert [lrs[s] for s in range(31, 36)] == pytest.approx([1e-3, 8e-4, 6e-4, 4e-4, 2e-4])
+    assert [e["step"] for e in events if e["event"] == "eval"] == [10, 20, 30, 35]  # the last at the end
     ck = tmp_path / "run" / "checkpoints"
-    at_best, after = (load_file(str(ck / f"step-{s:08d}" / "model.safetensors")) for s in (5, 15))
-    assert all(torch.equal(at_best[k], after[k]) for k in at_best)  # the weights of step 5 back at 15
+    at_best, after = (load_file(str(ck / f"step-{s:08d}" / "model.safetensors")) for s in (10, 30))
+    assert all(torch.equal(at_best[k], after[k]) for k in at_best)  # the weights of step 10 back at 30
     best = load_file(str(tmp_path / "run" / "best" / "model.safetensors"))
-    assert all(torch.equal(at_best[k], best[k]) for k in best)  # 3.05 at step 20 is not better than 3.0
+    assert all(torch.equal(at_best[k], best[k]) for k in best)  # 3.05 at step 35 is not better than 3.0
 
     shown = CliRunner().invoke(app, ["info", str(tmp_path / "run")])
     assert shown.exit_code == 0, shown.output
-    assert "overfitting: seen at step 15: back to step 5's weights (best/), lr cooled from 0.002 to 0 until " \
-           "step 20, then stopped" in shown.output
+    assert "overfitting: seen at step 30: back to step 10's weights (best/), lr cooled from 0.001 to 0 until " \
+           "step 35, then stopped" in shown.output
 
     summary = train_run(tmp_path / "on", data, *_cfgs(data, on_overfit="continue"))
-    assert summary["step"] == 40 and "overfit_at" not in summary
+    assert summary["step"] == 60 and "overfit_at" not in summary
     assert not [e for e in read_metrics(tmp_path / "on" / "metrics.jsonl") if e["event"] == "overfit"]
 
 
@@ -128,15 +131,15 @@ def test_a_cool_down_resumes_exactly(tiny_data, tmp_path, scripted):
     mc, tc = _cfgs(data)
     train_run(tmp_path / "a", data, mc, tc)
 
-    def kill_at_17(step, loss):
-        if step == 16:  # during the 17th step: two steps into the cool-down
+    def kill_at_32(step, loss):
+        if step == 31:  # during the 32nd step: two steps into the cool-down
             os.kill(os.getpid(), signal.SIGTERM)
         return loss
 
-    summary = train_run(tmp_path / "b", data, mc, tc, fault=kill_at_17)
-    assert summary["interrupted"] == "SIGTERM" and summary["step"] == 17
+    summary = train_run(tmp_path / "b", data, mc, tc, fault=kill_at_32)
+    assert summary["interrupted"] == "SIGTERM" and summary["step"] == 32
     summary = train_run(tmp_path / "b", data, mc, tc, resume=True)
-    assert summary["step"] == 20 and summary["overfit_at"] == 15
+    assert summary["step"] == 35 and summary["overfit_at"] == 30
 
     def log(run, kind, *fields):
         return [tuple(e[f] for f in fields) for e in read_metrics(run / "metrics.jsonl") if e["event"] == kind]

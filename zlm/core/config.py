@@ -63,7 +63,7 @@ class TrainConfig:
     state: str = "carry"  # carry: TBPTT streams, state carried | reset: paper's shuffled chunks
     reset_prob: float = 0.0  # carry: chance a stream's state is zeroed before a window
     average: float = 0.0  # the last share of a run whose weights are averaged (0: off); needs a run length
-    on_overfit: str = "continue"  # continue | cool-down: back to best/, lr to 0 over one interval, stop
+    on_overfit: str = "continue"  # continue | cool-down: back to best/, lr to 0 over half an interval, stop
     seed: int = 1234
     device: str = "auto"  # auto | cpu | cuda
     precision: str = "auto"  # auto | fp32 | bf16 | fp16

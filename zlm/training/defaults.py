@@ -18,8 +18,8 @@ probe's tokens/s) and returns a `DefaultsRule` whose settings are typed `Options
     E <  OVERFIT_EPOCHS   the "data-rich" regime's
     average the weights over the last AVERAGE_SHARE of the run (`--average`)
     overfitting   ON_OVERFIT: once valid BPC rises at two validations while the train
-            slice's falls, back to the best weights, lr cooled to 0 over one validation
-            interval, and stop (`--on-overfit`, `zlm.training.schedule`)
+            slice's falls, back to the best weights, half the lr cooled to 0 over half a
+            validation interval, and stop (`--on-overfit`, `zlm.training.schedule`)
     no run length         "open": the preset as it is (it may run for many epochs)
 
 On CUDA the probe times the step the run will take (graphed fused cell, the resolved

@@ -6,7 +6,7 @@ of the training time spent, so the decay ends when the budget does); plateau kee
 little state (`state_dict`) that changes only when validation reports a BPC.
 
 The overfitting guard (`--on-overfit cool-down`): a run that has started to overfit is
-taken back to its best weights, its learning rate cooled to 0 over one validation
+taken back to its best weights, its learning rate cooled to 0 over half a validation
 interval, and stopped.
 
 A corpus that overfits after a pass or two wastes the rest of a run's budget: every later
@@ -20,8 +20,11 @@ eval-mode BPC of the fixed train slice (the generalisation gap's two sides):
 
 Once, at the first validation that shows it, the run reloads best/ (what validation scored
 best, the weight average included), starts the weight average afresh, and decays the
-learning rate linearly from the schedule's current value to 0 over the next --eval-every
-steps; the validation at their end is the run's last. The run's log says so ("overfit").
+learning rate linearly from COOL_LR of the schedule's current value (the rate at which it
+just overfit) to 0 over the next COOL_STEPS x --eval-every steps (less of the text read
+again); the validation at their end is the run's last. The run's log says so ("overfit").
+COOL_STEPS and COOL_LR were chosen on fortunes-zh, the one benchmark corpus the guard
+reacts on (docs/defaults-rule.md).
 
 `OverfitGuard` is part of the run's state (trainer.json's "overfit"): a resumed run keeps
 the recent validations and an unfinished cool-down, and continues exactly.
@@ -89,6 +92,8 @@ class LRSchedule:
 # ------------------------------------------------------------------ the overfitting guard
 RISES = 2  # validations in a row at which valid BPC rose (while the train slice fell)
 MIN_RISE = 0.01  # by this share of its value over them at least (less is noise between validations)
+COOL_STEPS = 0.5  # the cool-down's length, as a share of --eval-every
+COOL_LR = 0.5  # its starting learning rate, as a share of the schedule's when it reacted
 
 
 def overfitting(history: Sequence[tuple[float, float | None]], rises: int = RISES,
@@ -149,8 +154,11 @@ class OverfitGuard:
         self.history = [*self.history, (valid, train_slice)][-(RISES + 1):]
         return self.mode == "cool-down" and self.cool is None and overfitting(self.history)
 
-    def react(self, step: int, steps: int, lr: float, best_step: int) -> CoolDown:
-        self.cool = CoolDown(at=step, until=step + steps, lr=lr, best_step=best_step)
+    def react(self, step: int, eval_every: int, lr: float, best_step: int) -> CoolDown:
+        """Begin the cool-down at `step`: COOL_STEPS of `eval_every` steps from COOL_LR of `lr`
+        (the schedule's learning rate now) to 0."""
+        steps = max(1, round(eval_every * COOL_STEPS))
+        self.cool = CoolDown(at=step, until=step + steps, lr=lr * COOL_LR, best_step=best_step)
         return self.cool
 
     def lr(self, step: int, scheduled: float) -> float:
