@@ -17,6 +17,7 @@ from conftest import train_run
 from zlm.cli import app
 from zlm.core.config import TrainConfig
 from zlm.core.metrics import LN2, Score, read_metrics
+from zlm.core.reporter import Reporter
 from zlm.data.dataset import Dataset
 from zlm.errors import UsageError
 from zlm.model.lm import ModelConfig
@@ -98,9 +99,21 @@ def _cfgs(data, **train_kw):
     return mc, TrainConfig(**kw)
 
 
+class Recorder(Reporter):
+    def __init__(self):
+        self.messages = []
+
+    def message(self, text):
+        self.messages.append(text)
+
+
 def test_a_run_that_overfits_goes_back_to_best_cools_down_and_stops(tiny_data, tmp_path, scripted):
     data = Dataset.open(tiny_data)
-    summary = train_run(tmp_path / "run", data, *_cfgs(data))
+    rec = Recorder()
+    summary = train_run(tmp_path / "run", data, *_cfgs(data), reporter=rec)
+    (said,) = [m for m in rec.messages if m.startswith("overfitting")]
+    assert "(3.000 -> 3.100 -> 3.300)" in said and "back to best/ (step 10, 3.000)" in said
+    assert "lr cooled from 0.001 (0.5 x the schedule's) to 0 over 5 steps, then the run stops" in said
     assert summary["step"] == 35 and summary["overfit_at"] == 30  # 60 planned
     events = read_metrics(tmp_path / "run" / "metrics.jsonl")
     (overfit,) = [e for e in events if e["event"] == "overfit"]

@@ -42,7 +42,7 @@ from zlm.training.init_from import load_parent_weights
 from zlm.training.plan import Plan
 from zlm.training.resolve import cell_for
 from zlm.training.run_dir import RunDir
-from zlm.training.schedule import LRSchedule, OverfitGuard
+from zlm.training.schedule import COOL_LR, LRSchedule, OverfitGuard
 from zlm.training.state import Checkpointer, RNGState, TrainState
 from zlm.training.step import TrainStep, build_optimizer, describe_mode, step_mode
 
@@ -276,8 +276,8 @@ class Trainer:
         train = " -> ".join(f"{t:.3f}" for _, t in self.guard.history)
         self.rep.message(f"overfitting: valid BPC rose at the last validations ({valid}) while the train "
                          f"slice's fell ({train}); back to best/ (step {best_step}, {s.best_bpc:.3f}), lr "
-                         f"cooled from {cool.lr:.3g} to 0 over {cool.until - cool.at} steps, then the run "
-                         f"stops (--on-overfit cool-down)")
+                         f"cooled from {cool.lr:.3g} ({COOL_LR:g} x the schedule's) to 0 over "
+                         f"{cool.until - cool.at} steps, then the run stops (--on-overfit cool-down)")
         if self.par.is_main:
             self.log.write("overfit", step=s.step, best_step=best_step, lr=cool.lr, until=cool.until,
                            valid=[v for v, _ in self.guard.history], train_slice=[t for _, t in self.guard.history])
