@@ -67,8 +67,13 @@ class MetricsLog:
 
 def read_metrics(path: Path) -> list[dict]:
     """All events of a metrics.jsonl; a torn last line (a crash mid-write) is skipped."""
+    return parse_metrics(Path(path).read_text(encoding="utf-8"))
+
+
+def parse_metrics(text: str) -> list[dict]:
+    """The events of a metrics.jsonl's text (a torn last line skipped)."""
     out = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
+    for line in text.splitlines():
         try:
             out.append(json.loads(line))
         except json.JSONDecodeError:

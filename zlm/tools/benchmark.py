@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import math
 import os
 import shutil
 import statistics
@@ -47,6 +46,7 @@ from pathlib import Path
 from zlm.atomic import building
 from zlm.core import checkpoint as ckpt
 from zlm.core.config import Options, ScheduleConfig, TrainConfig
+from zlm.core.metrics import parse_metrics, read_metrics
 from zlm.core.reporter import Reporter
 from zlm.core.spec import DefaultsRule, RunSpec, read_spec
 from zlm.data import benchmark_corpora as benchmark
@@ -255,27 +255,19 @@ def guard_idle(stored: Path) -> bool:
     evals = validations(stored)
     if evals is None:
         return False
-    history = [(e["valid_bpc"], e.get("train_slice_bpc")) for e in evals[:-1] if math.isfinite(e["valid_bpc"])]
-    return first_overfit(history) is None
+    return first_overfit([(e["valid_bpc"], e.get("train_slice_bpc")) for e in evals[:-1]]) is None
 
 
 def validations(stored: Path) -> list[dict] | None:
     """The eval events of the run in `stored` (run dir or record), one per step (a resumed
     run's repeat replaces the first), in step order; None when it has no log."""
     if (stored / "metrics.jsonl").is_file():
-        text = (stored / "metrics.jsonl").read_text(encoding="utf-8")
+        events = read_metrics(stored / "metrics.jsonl")
     elif (stored / RECORD_LOG).is_file():
-        text = gzip.decompress((stored / RECORD_LOG).read_bytes()).decode("utf-8")
+        events = parse_metrics(gzip.decompress((stored / RECORD_LOG).read_bytes()).decode("utf-8"))
     else:
         return None
-    evals = {}
-    for line in text.splitlines():
-        try:
-            event = json.loads(line)
-        except json.JSONDecodeError:  # a torn last line
-            continue
-        if event.get("event") == "eval":
-            evals[event["step"]] = event
+    evals = {e["step"]: e for e in events if e.get("event") == "eval"}
     return [evals[k] for k in sorted(evals)]
 
 

@@ -96,7 +96,7 @@ def describe(path) -> dict:
         latest = _latest(steps)
         info["run"] = {"dir": str(run), "checkpoints": [p.name for p in steps],
                        "latest_step": None if latest is None else latest[1]}
-        if latest is not None and info["cool_down"] is None and (latest[0] / "trainer.json").is_file():
+        if latest is not None and "overfit" not in trainer and (latest[0] / "trainer.json").is_file():
             info["cool_down"] = (read_json(latest[0] / "trainer.json", "trainer state").get("overfit")
                                  or {}).get("cool_down")  # best/ keeps no trainer state: the run's latest does
     return info

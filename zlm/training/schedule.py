@@ -113,12 +113,11 @@ def overfitting(history: Sequence[tuple[float, float | None]], rises: int = RISE
     return rose and last < first
 
 
-def first_overfit(history: Sequence[tuple[float, float | None]], rises: int = RISES) -> int | None:
-    """The index of the first validation in `history` at which the guard reacts (None: never)."""
-    for k in range(rises, len(history)):
-        if overfitting(history[: k + 1], rises):
-            return k
-    return None
+def first_overfit(history: Sequence[tuple[float, float | None]]) -> int | None:
+    """The index of the first validation in `history` at which a run's guard reacts (None:
+    never): the validations replayed through `OverfitGuard`, as the trainer shows them."""
+    guard = OverfitGuard("cool-down")
+    return next((k for k, (valid, train) in enumerate(history) if guard.observe(valid, train)), None)
 
 
 @dataclass

@@ -13,7 +13,6 @@ from outside the model: `distributed.setup` wraps it, `Runtime` casts, `TrainSte
 
 from __future__ import annotations
 
-import json
 import math
 import signal
 import threading
@@ -269,7 +268,7 @@ class Trainer:
         self.par.barrier()  # rank 0 has written best/
         best = ckpt.load(self.run_dir / "best")
         ckpt.load_weights(self.model, best.model, best.path)
-        best_step = int(json.loads((best.path / "trainer.json").read_text(encoding="utf-8"))["step"])
+        best_step = int(ckpt.read_json(best.path / "trainer.json", "best/'s trainer state")["step"])
         self.average.load({}, 0)
         cool = self.guard.react(s.step, self.cfg.eval_every, self.schedule.lr(s.step, s.elapsed), best_step)
         valid = " -> ".join(f"{v:.3f}" for v, _ in self.guard.history)
