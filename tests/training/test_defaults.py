@@ -23,7 +23,7 @@ TEN_MINUTES = 600.0
 
 
 @pytest.mark.parametrize("train_tokens, speed, regime, hidden", [
-    (1_003_854, 14_000.0, "regularised", 384),  # tiny Shakespeare, 10 min on 2 CPU cores: 12.8 passes
+    (1_003_854, 14_000.0, "between", 384),  # tiny Shakespeare, 10 min on 2 CPU cores: 12.8 passes
     (1_825_680, 14_000.0, "data-rich", 384),  # 2M characters of Russian quotations: 7 passes
     (10_594_014, 14_000.0, "data-rich", 384),  # 11.8M characters of prose: about one pass
     (10_594_014, 400_000.0, "data-rich", 1024),  # the same corpus on a fast GPU: 5.5 passes
@@ -57,9 +57,11 @@ def test_size_and_regime_follow_from_corpus_size_and_speed(train_tokens, speed, 
     assert s.average == defaults.AVERAGE_SHARE
     assert s.reset_prob == 0.02  # both: without resets evaluation's cold streams can fail
     assert (s.layers, s.embed, s.schedule) == (1, 64, "cosine")
-    assert s.lr == (5e-3 if regime == "regularised" else 4e-3)
     # Short windows: more updates for the same text (the regularised regime 25, the data-rich 50).
-    assert s.bptt == (25 if regime == "regularised" else 50)
+    if regime == "between":
+        assert 4e-3 < s.lr < 5e-3 and 25 < s.bptt < 50
+    else:
+        assert (s.lr, s.bptt) == ((5e-3, 25) if regime == "regularised" else (4e-3, 50))
     assert f"bptt {s.bptt}," in rule.line
     # About EVALS_PER_RUN validations in the run, and one a pass or more, rounded up to tens of
     # steps of 32 x bptt tokens.
@@ -74,7 +76,9 @@ def test_size_and_regime_follow_from_corpus_size_and_speed(train_tokens, speed, 
 
 
 @pytest.mark.parametrize("train_tokens, speed, regime", [
-    (3_000_000, 55_600.0, "regularised"),  # OVERFIT_EPOCHS (10) passes at --hidden 512
+    (3_000_000, 88_900.0, "regularised"),  # REGULARISED_FULL (16) passes at --hidden 512
+    (3_000_000, 88_800.0, "between"),  # just under
+    (3_000_000, 55_600.0, "between"),  # just over REGULARISED_FROM (10)
     (3_000_000, 55_500.0, "data-rich"),  # just under
 ])
 def test_the_regime_threshold_with_an_explicit_size(train_tokens, speed, regime):
@@ -98,6 +102,37 @@ def test_zoneout_grows_with_the_passes_without_a_cliff():
     assert defaults.zoneout_strength(mid) == pytest.approx(0.5)
 
 
+def test_window_and_lr_follow_the_passes_without_a_cliff():
+    """Between REGULARISED_FROM and REGULARISED_FULL passes the window shortens and the lr
+    rises steadily from the data-rich regime's to the regularised regime's: 1% more passes
+    never move bptt by more than a token, the lr by more than 1%, nor the steps between
+    validations by more than 5% (a token of 25) and a rounding step (the rule's old cliff at 10 passes moved
+    bptt 50 -> 25, lr 4e-3 -> 5e-3 and the validation interval x2 at once)."""
+    epochs = [1.0 * 1.01 ** k for k in range(400)]  # 1 .. 53 passes
+    rules = [decide(RunLength(1_000_000, epochs=e)) for e in epochs]
+    bptt = [r.settings.bptt for r in rules]
+    lr = [r.settings.lr for r in rules]
+    every = [r.settings.eval_every for r in rules]
+    assert all(a >= b for a, b in zip(bptt, bptt[1:], strict=False)) and all(b >= a for a, b in zip(lr, lr[1:], strict=False))
+    assert max(a - b for a, b in zip(bptt, bptt[1:], strict=False)) <= 1
+    assert max(b / a for a, b in zip(lr, lr[1:], strict=False)) <= 1.01
+    assert max(b / a - 1 - 10 / a for a, b in zip(every, every[1:], strict=False)) <= 0.05
+    assert (bptt[0], lr[0], bptt[-1], lr[-1]) == (50, 4e-3, 25, 5e-3)
+    names = {r.regime for r, e in zip(rules, epochs, strict=True)
+             if defaults.REGULARISED_FROM < e < defaults.REGULARISED_FULL}
+    assert names == {"between"}
+    # Only the window and the lr differ between the regimes; half way (in log passes) their
+    # geometric means.
+    rich, reg = (defaults.REGIMES[n].options() for n in ("data-rich", "regularised"))
+    assert {k for k in rich.given() if rich.given()[k] != reg.given()[k]} == {"lr", "bptt"}
+    name, mid = defaults.regime_for((defaults.REGULARISED_FROM * defaults.REGULARISED_FULL) ** 0.5)
+    assert name == "between" and mid.lr == pytest.approx((4e-3 * 5e-3) ** 0.5, rel=1e-3)
+    assert mid.bptt == round((50 * 25) ** 0.5)
+    line = decide(RunLength(1_000_000, epochs=12.8)).line
+    assert "window and lr 53% of the way from the data-rich regime's to the regularised one's" in line
+    assert "lr 0.0045 cosine" in line and "bptt 35," in line
+
+
 def test_parameter_count_is_the_models():
     from zlm.model.lm import ModelConfig, ZoneoutLM
 
@@ -107,7 +142,8 @@ def test_parameter_count_is_the_models():
 
 
 def test_epochs_and_steps_need_no_speed_and_the_nearest_limit_counts():
-    assert decide(RunLength(1_000_000, epochs=10)).regime == "regularised"
+    assert decide(RunLength(1_000_000, epochs=16)).regime == "regularised"
+    assert decide(RunLength(1_000_000, epochs=12)).regime == "between"
     assert decide(RunLength(1_000_000, epochs=9.9)).regime == "data-rich"
     steps = decide(RunLength(1_000_000, max_steps=100, tokens_per_step=3200))  # 0.32 passes
     assert steps.regime == "data-rich" and steps.expected_epochs == pytest.approx(0.32)

@@ -28,7 +28,7 @@ from zlm.model.config import KERNELS, ModelConfig
 from zlm.version import __version__
 
 FORMAT = 1  # config.json's format number; a run of any other is refused
-REGIME_NAMES = ("regularised", "data-rich", "open")
+REGIME_NAMES = ("regularised", "between", "data-rich", "open")
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,10 @@ probe's tokens/s) and returns a `DefaultsRule` whose settings are typed `Options
     zoneout grows smoothly with E, linearly in log E: none up to ZONEOUT_FROM passes
             (torch's LSTM kernel runs then), ZONEOUT_CELL / ZONEOUT_HIDDEN from ZONEOUT_FULL
             passes on (`zoneout_strength`): no cliff, the more passes the more regularisation
-    E >= OVERFIT_EPOCHS   the "regularised" regime's window and learning rate (REGIMES below)
-    E <  OVERFIT_EPOCHS   the "data-rich" regime's
+    window and learning rate follow E the same way (`regime_for`): the "data-rich" regime's
+            (REGIMES below) up to REGULARISED_FROM passes, the "regularised" regime's from
+            REGULARISED_FULL on, and between them ("between") geometric means of the two
+            weighted linearly in log E: no cliff here either
     average the weights over the last AVERAGE_SHARE of the run (`--average`)
     overfitting   ON_OVERFIT: once valid BPC rises at two validations while the train
             slice's falls, back to the best weights, half the lr cooled to 0 over half a
@@ -46,7 +48,8 @@ from dataclasses import dataclass, replace
 from zlm.core.config import Options
 from zlm.core.spec import DefaultsRule
 
-OVERFIT_EPOCHS = 10.0  # expected passes from which the regularised regime's window and lr are taken
+REGULARISED_FROM = 10.0  # expected passes up to which a run takes the data-rich regime's window and lr
+REGULARISED_FULL = 16.0  # expected passes from which it takes the regularised regime's (a ramp between)
 ZONEOUT_FROM = 8.0  # expected passes up to which a run has no zoneout (these three: `zlm recipe defaults-loco`)
 ZONEOUT_FULL = 16.0  # expected passes from which it has the full ZONEOUT_CELL and ZONEOUT_HIDDEN
 ZONEOUT_CELL = 0.1  # z_c at full strength
@@ -105,6 +108,23 @@ def zoneout_strength(epochs: float, start: float = ZONEOUT_FROM, full: float = Z
     if epochs >= full:
         return 1.0
     return math.log(epochs / start) / math.log(full / start)
+
+
+def regime_for(epochs: float) -> tuple[str, Options]:
+    """The regime's name and settings for a run of `epochs` expected passes: the data-rich
+    regime's up to REGULARISED_FROM, the regularised regime's from REGULARISED_FULL, and
+    "between" them lr and bptt move geometrically, in step with log passes (lr to 3
+    significant figures, bptt to whole tokens): 1% more passes never move bptt by more than
+    a token nor lr by more than 1%."""
+    rich, reg = REGIMES["data-rich"], REGIMES["regularised"]
+    k = zoneout_strength(epochs, REGULARISED_FROM, REGULARISED_FULL)
+    if k == 0.0:
+        return "data-rich", rich.options()
+    if k == 1.0:
+        return "regularised", reg.options()
+    lr = float(f"{rich.lr * (reg.lr / rich.lr) ** k:.3g}")
+    bptt = round(rich.bptt * (reg.bptt / rich.bptt) ** k)
+    return "between", rich.options() | Options(lr=lr, bptt=bptt)
 
 
 def zoneout_for(epochs: float) -> Options:
@@ -214,8 +234,8 @@ def decide(length: RunLength, tokens_per_s: float | None = None, hidden: int | N
                             "the cpu-small preset as it is (regularised, constant lr)")
     size = hidden if hidden is not None else choose_hidden(length, tokens_per_s, probe_hidden)
     epochs = expected_epochs(length, tokens_per_s, size, probe_hidden)
-    regime = "regularised" if epochs >= OVERFIT_EPOCHS else "data-rich"
-    settings = REGIMES[regime].options() | zoneout_for(epochs) | Options(average=AVERAGE_SHARE, on_overfit=ON_OVERFIT)
+    regime, window = regime_for(epochs)
+    settings = window | zoneout_for(epochs) | Options(average=AVERAGE_SHARE, on_overfit=ON_OVERFIT)
     if length.bptt_given:
         settings = Options(**{**settings.given(), "bptt": None})
     eval_every = eval_interval(epochs, length.train_tokens / length.step_tokens(settings))
@@ -254,12 +274,19 @@ def _line(regime: str, epochs: float, tokens_per_s: float | None, probe_hidden: 
     k = zoneout_strength(epochs)
     why = (f"{epochs:.1f} epochs expected{speed}: zoneout at {k:.0%} of full strength"
            + (" (none: the faster plain LSTM)" if k == 0 else "")
-           + f", the {regime} regime's window and lr")
+           + f", {_regime_words(regime, epochs)}")
     return (f"{why} -> {s.layers}x{size}, z_c {s.zoneout_cell:g}, z_h {s.zoneout_hidden:g}, "
             f"reset-prob {s.reset_prob:g}, lr {s.lr:g} {s.schedule} over the run, "
             + (f"bptt {s.bptt}, " if s.bptt is not None else "")
             + f"average the last {s.average:.0%}, validate every {s.eval_every} steps"
             + (", cool down and stop once it overfits" if s.on_overfit == "cool-down" else ""))
+
+
+def _regime_words(regime: str, epochs: float) -> str:
+    if regime != "between":
+        return f"the {regime} regime's window and lr"
+    k = zoneout_strength(epochs, REGULARISED_FROM, REGULARISED_FULL)
+    return f"window and lr {k:.0%} of the way from the data-rich regime's to the regularised one's"
 
 
 def needs_probe(length: RunLength) -> bool:
