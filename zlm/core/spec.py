@@ -53,7 +53,7 @@ class DefaultsRule:
     """The defaults rule's decision for one run (config.json "defaults_rule";
     `zlm.training.defaults.decide` makes it)."""
 
-    regime: str  # regularised | data-rich | open
+    regime: str  # regularised | between | data-rich | open
     expected_epochs: float | None  # passes over the train split the run should make
     tokens_per_s: float | None  # the speed probe's measurement (None: not needed or not taken)
     settings: Options = field(default_factory=Options)  # what the rule chose
