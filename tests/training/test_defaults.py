@@ -263,6 +263,25 @@ def test_validation_comes_at_least_once_a_pass_and_without_a_step():
 TINY = ["--hidden", "16", "--embed", "8", "--batch-size", "4", "--bptt", "20", "--log-every", "100"]
 
 
+def test_the_start_line_names_the_choices_your_options_replace(tmp_path):
+    text = tmp_path / "corpus.txt"
+    text.write_text(shakespeare_text(30_000), encoding="utf-8")
+    r = runner.invoke(app, ["train", str(text), "--out", str(tmp_path / "run"), "--max-steps", "3", *TINY,
+                            "--zoneout-cell", "0.05", "--lr", "0.004", "--seed", "3"])
+    assert r.exit_code == 0, r.output
+    # A few steps: no zoneout and the data-rich lr 0.004, so --lr replaces nothing; --hidden and
+    # --bptt are not the rule's to choose then.
+    assert "z_c 0, z_h 0," in r.output and "lr 0.004 cosine" in r.output
+    assert "the run takes yours instead: --embed 8, --zoneout-cell 0.05" in " ".join(r.output.split())
+    cfg = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert cfg["model"]["zoneout_cell"] == 0.05 and cfg["defaults_rule"]["settings"]["zoneout_cell"] == 0.0
+    # Options equal to the rule's choices, or outside them, replace nothing.
+    from zlm.training.plan import _overrides
+
+    rule = decide(RunLength(1_000_000, epochs=12))
+    assert _overrides(rule, Options(seed=3, lr=rule.settings.lr)) == "explicit options override it"
+
+
 def test_train_prints_stores_and_resumes_with_the_rule(tmp_path, monkeypatch):
     text = tmp_path / "corpus.txt"
     text.write_text(shakespeare_text(30_000), encoding="utf-8")
@@ -271,6 +290,8 @@ def test_train_prints_stores_and_resumes_with_the_rule(tmp_path, monkeypatch):
     r = runner.invoke(app, ["train", str(text), "--out", str(run), "--time-budget", "2s", *TINY])
     assert r.exit_code == 0, r.output
     assert "with the defaults rule:" in r.output and "zoneout at 100% of full strength" in r.output
+    # --hidden and --bptt: the rule chose neither; --embed 8 replaces its 64.
+    assert "the run takes yours instead: --embed 8" in " ".join(r.output.split())
     cfg = json.loads((run / "config.json").read_text())
     assert cfg["defaults_rule"]["regime"] == "regularised"
     assert cfg["model"]["zoneout_cell"] == 0.1 and cfg["train"]["schedule"]["kind"] == "cosine"

@@ -142,9 +142,16 @@ def _rule(base: Preset, data: Dataset, options: Options, world: int, rep: Report
         else:
             speed = speed_probe.probe_tokens_per_s(model, train, on_event=rep.message)
     rule = defaults.decide(length, speed, options.hidden, model.hidden, gpu)
-    rep.message(f"no --preset given: {base.name} with the defaults rule: {rule.line}; "
-                "explicit options override it")
+    rep.message(f"no --preset given: {base.name} with the defaults rule: {rule.line}; {_overrides(rule, options)}")
     return rule
+
+
+def _overrides(rule: DefaultsRule, options: Options) -> str:
+    """Which of the rule's choices the run's explicit options replace, and with what."""
+    chosen = rule.settings.given()
+    yours = [f"{flag(k)} {v:g}" if isinstance(v, float) else f"{flag(k)} {v}"
+             for k, v in options.given().items() if k in chosen and chosen[k] != v]
+    return f"the run takes yours instead: {', '.join(yours)}" if yours else "explicit options override it"
 
 
 def _resumed(stored: RunSpec, data: Dataset, options: Options, preset: str | Preset | None, world: int,
