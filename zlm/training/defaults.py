@@ -110,6 +110,13 @@ def zoneout_strength(epochs: float, start: float = ZONEOUT_FROM, full: float = Z
     return math.log(epochs / start) / math.log(full / start)
 
 
+def window_share(epochs: float) -> float:
+    """How far a run of `epochs` expected passes is from the data-rich regime's window and
+    lr (0) to the regularised regime's (1): `zoneout_strength` between REGULARISED_FROM and
+    REGULARISED_FULL."""
+    return zoneout_strength(epochs, REGULARISED_FROM, REGULARISED_FULL)
+
+
 def regime_for(epochs: float) -> tuple[str, Options]:
     """The regime's name and settings for a run of `epochs` expected passes: the data-rich
     regime's up to REGULARISED_FROM, the regularised regime's from REGULARISED_FULL, and
@@ -117,7 +124,7 @@ def regime_for(epochs: float) -> tuple[str, Options]:
     significant figures, bptt to whole tokens): 1% more passes never move bptt by more than
     a token nor lr by more than 1%."""
     rich, reg = REGIMES["data-rich"], REGIMES["regularised"]
-    k = zoneout_strength(epochs, REGULARISED_FROM, REGULARISED_FULL)
+    k = window_share(epochs)
     if k == 0.0:
         return "data-rich", rich.options()
     if k == 1.0:
@@ -285,8 +292,7 @@ def _line(regime: str, epochs: float, tokens_per_s: float | None, probe_hidden: 
 def _regime_words(regime: str, epochs: float) -> str:
     if regime != "between":
         return f"the {regime} regime's window and lr"
-    k = zoneout_strength(epochs, REGULARISED_FROM, REGULARISED_FULL)
-    return f"window and lr {k:.0%} of the way from the data-rich regime's to the regularised one's"
+    return f"window and lr {window_share(epochs):.0%} of the way from the data-rich regime's to the regularised one's"
 
 
 def needs_probe(length: RunLength) -> bool:

@@ -149,8 +149,7 @@ def _rule(base: Preset, data: Dataset, options: Options, world: int, rep: Report
 def _overrides(rule: DefaultsRule, options: Options) -> str:
     """Which of the rule's choices the run's explicit options replace, and with what."""
     chosen = rule.settings.given()
-    yours = [f"{flag(k)} {v:g}" if isinstance(v, float) else f"{flag(k)} {v}"
-             for k, v in options.given().items() if k in chosen and chosen[k] != v]
+    yours = [f"{flag(k)} {v}" for k, v in options.given().items() if k in chosen and chosen[k] != v]
     return f"the run takes yours instead: {', '.join(yours)}" if yours else "explicit options override it"
 
 
