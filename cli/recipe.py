@@ -3,7 +3,7 @@
     zlm recipe zoneout-ablation   the same LSTM x 4: no zoneout, z_h only, z_c only, both
     zlm recipe equal-budget       cpu-small for 10 minutes next to published CPU baselines
     zlm recipe corpora-benchmark  zlm's defaults vs a plain LSTM on every benchmark corpus
-    zlm recipe defaults-loco      the rule's zoneout chosen leave-one-corpus-out, scored held out
+    zlm recipe defaults-loco      the rule's zoneout, window and lr chosen leave-one-corpus-out, scored held out
 
 All write OUT/results.json, OUT/results.md and curves, and continue where they stopped
 when the same command is run again.

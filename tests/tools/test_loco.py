@@ -12,10 +12,12 @@ from typer.testing import CliRunner
 
 from conftest import TINY_BENCH, write_fake_bench_corpora
 from zlm.cli import app
+from zlm.core.config import Options
 from zlm.core.metrics import read_metrics
 from zlm.tools import benchmark as cb
 from zlm.tools import loco
-from zlm.tools.loco import Constants, GridRow, fit, interpolate
+from zlm.tools.loco import Constants, GridRow, WindowConstants, WindowRow, fit, fit_window, interpolate
+from zlm.training import defaults
 
 runner = CliRunner()
 
@@ -69,12 +71,65 @@ def test_ties_go_to_less_regularisation():
 
 
 def test_constants_follow_the_rule():
-    from zlm.training import defaults
-
     c = Constants(defaults.ZONEOUT_FROM, defaults.ZONEOUT_FULL, defaults.ZONEOUT_CELL)
     for epochs in (0.5, 3.0, 4.0, 7.0, 10.0, 30.0):
         assert c.zoneout_cell(epochs) == defaults.zoneout_for(epochs).zoneout_cell
     assert loco.HIDDEN_SHARE * defaults.ZONEOUT_CELL == defaults.ZONEOUT_HIDDEN
+
+
+def _ends(rich: float, reg: float, epochs: float, name: str) -> WindowRow:
+    return WindowRow(name, epochs, 0.0, {"data-rich": rich, "regularised": reg})
+
+
+def test_window_row_is_linear_between_its_ends():
+    row = _ends(2.0, 1.8, 10.0, "a")
+    assert row.at(0.0) == 2.0 and row.at(1.0) == 1.8 and row.at(0.25) == pytest.approx(1.95)
+
+
+def test_window_fit_follows_the_passes_and_leaves_the_corpus_out():
+    # Few passes want the data-rich window, many the regularised one: the ramp goes between.
+    rows = [_ends(1.8, 1.9, 1.5, "a"), _ends(1.8, 1.9, 3.0, "b"), _ends(1.9, 1.8, 20.0, "c"),
+            _ends(1.9, 1.8, 40.0, "d")]
+    best, mean = fit_window(rows)
+    assert [best.share(r.epochs) for r in rows] == [0.0, 0.0, 1.0, 1.0] and mean == pytest.approx(0.0)
+    assert (best.start, best.full) == (10.0, 16.0)  # of the ramps that fit exactly, the latest
+    # A corpus of many passes that wants the data-rich window moves the fit on all corpora...
+    odd = [*rows, _ends(1.7, 2.2, 30.0, "odd")]
+    assert fit_window(odd)[0] != best and fit_window(odd)[0].share(30.0) < 1.0
+    # ...but not its own fold.
+    assert fit_window(odd, exclude="odd") == fit_window(rows)
+    with pytest.raises(Exception, match="at least 2 corpora"):
+        fit_window([rows[0]], exclude="a")
+
+
+def test_window_ties_go_to_the_data_rich_window():
+    flat = [_ends(2.0, 2.0, 5.0, "a"), _ends(2.0, 2.0, 50.0, "b")]
+    best, _ = fit_window(flat)
+    assert (best.start, best.full) == (max(loco.WINDOW_CANDIDATES["start"]), max(loco.WINDOW_CANDIDATES["full"]))
+    assert best.share(50.0) < 1.0
+
+
+def test_window_constants_follow_the_rule():
+    c = WindowConstants(defaults.REGULARISED_FROM, defaults.REGULARISED_FULL)
+    assert defaults.REGULARISED_FROM in loco.WINDOW_CANDIDATES["start"]
+    assert defaults.REGULARISED_FULL in loco.WINDOW_CANDIDATES["full"]
+    for epochs in (0.5, 3.0, 10.0, 11.0, 12.6, 15.9, 16.0, 30.0):
+        regime, settings = defaults.regime_for(epochs)
+        assert c.share(epochs) == defaults.window_share(epochs)
+        assert loco.window(c.share(epochs)) == Options(bptt=settings.bptt, lr=settings.lr)
+    # The two ends are the regimes' own settings, in WINDOW_ENDS' order.
+    for share, end in enumerate(loco.WINDOW_ENDS):
+        r = defaults.REGIMES[end]
+        assert loco.window(share) == Options(bptt=r.bptt, lr=r.lr)
+
+
+def test_window_grid_runs_at_the_grid_point_nearest_the_rule():
+    assert loco.window_zoneout(1.0) == 0.0 and loco.window_zoneout(40.0) == defaults.ZONEOUT_CELL
+    # At 9.17 passes the rule's z_c is 0.0196: the nearest grid point is 0.
+    assert defaults.zoneout_for(9.17).zoneout_cell == pytest.approx(0.0196, abs=1e-4)
+    assert loco.window_zoneout(9.17) == 0.0
+    assert loco.held_out_setting(0.1, None) == "heldout-zc0.1"
+    assert loco.held_out_setting(0.1, 0.0) == "heldout-zc0.1-bptt50-lr0.004"
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +154,19 @@ def test_procedure_end_to_end_and_again(corpora, tmp_path, monkeypatch):
         other = next(GridRow(g["corpus"], g["epochs"], {float(k): v for k, v in g["valid"].items()})
                      for g in doc["grid"] if g["corpus"] != name)
         assert Constants(**fold["constants"]) == fit([other])[0]
+    # The window grid: each corpus at the end its grid run did not take (both took the
+    # data-rich one: two steps are far from REGULARISED_FROM passes), at z_c 0.
+    assert [w["corpus"] for w in doc["window_grid"]] == ["tinyshakespeare", "fortunes-ru"]
+    for w, g in zip(doc["window_grid"], doc["grid"], strict=True):
+        assert w["zoneout_cell"] == 0.0 and w["valid"]["data-rich"] == g["valid"]["0.0"]
+        cfg = json.loads((out / w["corpus"] / "window-regularised-zc0-seed1" / "config.json").read_text())
+        assert (cfg["train"]["bptt"], cfg["train"]["lr"], cfg["model"]["zoneout_cell"]) == (25, 0.005, 0.0)
+    for name, fold in doc["window_folds"].items():
+        other = next(WindowRow(**w) for w in doc["window_grid"] if w["corpus"] != name)
+        assert WindowConstants(**fold["constants"]) == fit_window([other])[0]
     held = [r for r in result.rows if r["setting"] == loco.HELD_OUT]
+    for r in held:  # the held-out window is the rule's here (share 0 at E < 1): no runs of its own
+        assert (r["bptt"], r["lr"]) == (50, 0.004) and "bptt" not in r["run"]
     assert [(r["corpus"], r["seed"]) for r in held] == [(c, s) for c in ("tinyshakespeare", "fortunes-ru")
                                                          for s in (1, 2)]
     for r in held:
@@ -115,6 +182,23 @@ def test_procedure_end_to_end_and_again(corpora, tmp_path, monkeypatch):
     assert {p: len(read_metrics(p)) for p in out.glob("*/*/metrics.jsonl")} == counts
     assert again.markdown == result.markdown
 
+    # A fold whose window is not the rule's at the corpus's E: its held-out runs take that
+    # window and lr (seed 1 reuses the window grid's run of it; seed 2 trains its own).
+    other = tmp_path / "other-window"
+    shutil.copytree(out, other)
+    monkeypatch.setattr(loco, "fit_window", lambda rows, exclude=None: (WindowConstants(1e-9, 2e-9), 0.0))
+    regularised = loco.defaults_loco(replace(config, out=other))
+    for r in (r for r in regularised.rows if r["setting"] == loco.HELD_OUT):
+        z = r["zoneout_cell"]
+        assert r["run"].split("/")[-1] == (f"window-regularised-zc{z:g}-seed1" if r["seed"] == 1
+                                           else f"heldout-zc{z:g}-bptt25-lr0.005-seed2")
+        cfg = json.loads((other / r["corpus"] / r["run"].split("/")[-1] / "config.json").read_text())
+        assert (cfg["train"]["bptt"], cfg["train"]["lr"], cfg["model"]["zoneout_cell"]) == (25, 0.005, z)
+    ts = next(line for line in regularised.markdown.splitlines() if line.startswith("| tinyshakespeare |"))
+    assert " | 0 | 25, 0.005 | " in ts
+    monkeypatch.undo()
+    monkeypatch.setattr(loco, "GRID", (0.0, 0.2))
+
     # --report midway: one baseline run missing leaves its corpus pending; a grid run missing
     # leaves its corpus without a fold (one complete row is too few to fit); nothing trains.
     partial = tmp_path / "partial"
@@ -127,6 +211,13 @@ def test_procedure_end_to_end_and_again(corpora, tmp_path, monkeypatch):
     assert "pending (3 of 4 runs)" in ts
     assert not (partial / "tinyshakespeare" / "baseline-seed2").exists()
     assert report.markdown.replace(ts, "").count("pending") == 0  # fortunes-ru is complete
+    shutil.rmtree(partial / "fortunes-ru" / "window-regularised-zc0-seed1")
+    loco.defaults_loco(replace(config, out=partial, report=True))
+    doc = json.loads((partial / "loco.json").read_text())
+    assert doc["window_folds"] == {} and {r["setting"] for r in doc["runs"]} == {"baseline"}
+    assert {"fortunes-ru's held-out runs (its window row is not complete)",
+            "tinyshakespeare's held-out runs (no other corpus's window row is complete)",
+            "fortunes-ru/window-regularised-zc0-seed1"} <= set(doc["missing"])
     shutil.rmtree(partial / "fortunes-ru" / "grid-zc0.2-seed1")
     report = loco.defaults_loco(replace(config, out=partial, report=True))
     doc = json.loads((partial / "loco.json").read_text())

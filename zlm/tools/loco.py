@@ -1,32 +1,39 @@
-"""`zlm recipe defaults-loco`: the defaults rule's regularisation, chosen leave-one-corpus-out.
+"""`zlm recipe defaults-loco`: the defaults rule's regularisation, window and lr, chosen leave-one-corpus-out.
 
 The rule (`zlm.training.defaults`) gives a run zoneout that grows with its expected passes
 E over the text, linearly in log E: none up to ZONEOUT_FROM passes, z_c = ZONEOUT_CELL and
-z_h = ZONEOUT_HIDDEN (half of it) from ZONEOUT_FULL passes on. Those three constants are
-chosen by this procedure, and it reports how the rule does on corpora it was not fitted on:
+z_h = ZONEOUT_HIDDEN (half of it) from ZONEOUT_FULL passes on. Its window and lr ramp the
+same way from the data-rich regime's (up to REGULARISED_FROM passes) to the regularised
+regime's (from REGULARISED_FULL). Those five constants are chosen by this procedure, and it
+reports how the rule does on corpora it was not fitted on:
 
 1. Grid: every benchmark corpus is trained once (seed 1, the benchmark budget) at each z_c
    of GRID (z_h = z_c x HIDDEN_SHARE), everything else as the rule plans it; each run
    records the E the rule measured. One grid serves every fold.
-2. Folds: for each corpus X, the `Constants` are the CANDIDATES that minimise the mean,
-   over the *other* corpora, of their valid BPC at the z_c the constants give for their E
-   (read off their grid row, linear between grid points) relative to the best of their
-   row (`fit`). X's held-out z_c is those constants at X's E.
-3. Held out: X is trained at its held-out z_c with every seed (the grid run is reused when
-   that z_c is a grid point and the seed is 1) and scored on the full valid and test
+2. Window grid: every corpus is also trained once at the window and lr of the regime end
+   (`WINDOW_ENDS`) its grid run did not take, at the grid z_c nearest the rule's for its E
+   (`window_zoneout`), so each corpus has valid BPC at both ends.
+3. Folds: for each corpus X, the zoneout `Constants` are the CANDIDATES that minimise the
+   mean, over the *other* corpora, of their valid BPC at the z_c the constants give for
+   their E (read off their grid row, linear between grid points) relative to the best of
+   their row (`fit`); the `WindowConstants` likewise from WINDOW_CANDIDATES and the window
+   grid (linear in the share of the way between the ends, `fit_window`). X's held-out z_c,
+   window and lr are those constants at X's E.
+4. Held out: X is trained at its held-out z_c, window and lr with every seed (a grid run is
+   reused when it is that setting and the seed is 1) and scored on the full valid and test
    splits, next to the corpora benchmark's plain-LSTM baseline for the same seeds (its
    "baseline-seed<N>" runs: run both recipes with the same --out to share them).
-4. The constants fitted on all corpora are the rule's (docs/defaults-rule.md says which
+5. The constants fitted on all corpora are the rule's (docs/defaults-rule.md says which
    run chose them).
 
-Cost: corpora x (len(GRID) + seeds x 2, less the reused grid runs) runs of the budget;
-with 9 corpora, 3 grid points, 2 seeds and 10 minutes 54 to 63 runs, 10 to 11 hours on 2 cores. Like the
-other recipes it continues where it stopped: finished runs are kept, an unfinished one
-resumes from its latest checkpoint, and with --record DIR the finished runs' records (no
-weights) continue it on another machine. With --report it trains nothing and writes the
-tables from the runs finished so far: the folds are fitted on the corpora whose grid row is
-complete, a corpus without one has no held-out z_c yet, and a mean over fewer seeds than
-asked is "pending". Writes OUT/loco.json and OUT/loco.md.
+Cost: corpora x (len(GRID) + 1 + seeds x 2, less the reused grid runs) runs of the budget;
+with 9 corpora, 3 grid points, 2 seeds and 10 minutes 63 to 72 runs, 11 to 12.5 hours on 2
+cores. Like the other recipes it continues where it stopped: finished runs are kept, an
+unfinished one resumes from its latest checkpoint, and with --record DIR the finished runs'
+records (no weights) continue it on another machine. With --report it trains nothing and
+writes the tables from the runs finished so far: the folds are fitted on the corpora whose
+rows are complete, a corpus without a fold has no held-out setting yet, and a mean over
+fewer seeds than asked is "pending". Writes OUT/loco.json and OUT/loco.md.
 """
 
 from __future__ import annotations
@@ -43,13 +50,15 @@ from zlm.data import benchmark_corpora as benchmark
 from zlm.errors import ZlmError
 from zlm.tools import benchmark as cb
 from zlm.tools.recipes import RecipeResult, ReporterFactory
-from zlm.training.defaults import zoneout_strength
+from zlm.training.defaults import window_at, window_share, zoneout_for, zoneout_strength
 
 NAME = "defaults-loco"
 HELD_OUT = "heldout"  # the setting of a corpus's runs at the z_c chosen without it
 GRID = (0.0, 0.1, 0.2)  # the z_c values every corpus is trained at
 HIDDEN_SHARE = 0.5  # z_h = z_c x this, in the grid and in the rule
 CANDIDATES = {"start": (1.0, 2.0, 4.0, 8.0), "full": (4.0, 8.0, 12.0, 16.0, 32.0), "cell": (0.1, 0.2)}
+WINDOW_ENDS = ("data-rich", "regularised")  # the regimes whose window and lr the window grid trains at
+WINDOW_CANDIDATES = {"start": (1.0, 2.0, 4.0, 8.0, 10.0, 16.0, 32.0), "full": (4.0, 8.0, 12.0, 16.0, 32.0, 64.0)}
 
 
 @dataclass(frozen=True)
@@ -71,6 +80,34 @@ class GridRow:
     corpus: str
     epochs: float
     valid: dict[float, float]
+
+
+@dataclass(frozen=True)
+class WindowConstants:
+    """The rule's window and lr ramp: the data-rich regime's up to `start` passes, the
+    regularised regime's from `full` on (REGULARISED_FROM, REGULARISED_FULL)."""
+
+    start: float
+    full: float
+
+    def share(self, epochs: float) -> float:
+        return zoneout_strength(epochs, self.start, self.full)
+
+
+@dataclass(frozen=True)
+class WindowRow:
+    """One corpus's window grid: its E and valid BPC at either end's window and lr (`WINDOW_ENDS`),
+    both at `zoneout_cell`."""
+
+    corpus: str
+    epochs: float
+    zoneout_cell: float
+    valid: dict[str, float]
+
+    def at(self, share: float) -> float:
+        """Valid BPC `share` of the way from the data-rich end to the regularised one (linear)."""
+        rich, reg = (self.valid[end] for end in WINDOW_ENDS)
+        return rich + share * (reg - rich)
 
 
 def candidates() -> list[Constants]:
@@ -112,6 +149,31 @@ def fit(rows: list[GridRow], exclude: str | None = None) -> tuple[Constants, flo
     return best[4], best[0]
 
 
+def fit_window(rows: list[WindowRow], exclude: str | None = None) -> tuple[WindowConstants, float]:
+    """The window ramp with the lowest mean excess over `rows` but `exclude`, and that mean:
+    as `fit`, each corpus's predicted valid BPC over the better of its two ends, less 1. Ties
+    go to the data-rich window (the later start and full)."""
+    pool = [r for r in rows if r.corpus != exclude]
+    if not pool:
+        raise ZlmError(f"leave-one-corpus-out needs at least 2 corpora; the window grid has {len(rows)}")
+
+    def score(c: WindowConstants) -> float:
+        return statistics.fmean(r.at(c.share(r.epochs)) / min(r.valid.values()) - 1.0 for r in pool)
+
+    scored = [(round(score(c), 9), -c.start, -c.full, c)
+              for c in (WindowConstants(a, b) for a, b in itertools.product(*WINDOW_CANDIDATES.values()))
+              if c.start < c.full]
+    best = min(scored, key=lambda t: t[:3])
+    return best[3], best[0]
+
+
+def window_zoneout(epochs: float) -> float:
+    """The z_c a corpus's window grid is trained at: the grid point nearest the rule's z_c at
+    its E (the lower on a tie)."""
+    z = zoneout_for(epochs).zoneout_cell
+    return min(GRID, key=lambda g: (abs(g - z), g))
+
+
 # ------------------------------------------------------------------ running
 
 
@@ -122,6 +184,24 @@ def zoneout(z: float) -> Options:
 
 def grid_setting(z: float) -> str:
     return f"grid-zc{z:g}"
+
+
+def window(share: float) -> Options:
+    """The window and lr `share` of the way from the data-rich regime's to the regularised one's."""
+    w = window_at(share)
+    return Options(bptt=w.bptt, lr=w.lr)
+
+
+def window_setting(end: str, z: float) -> str:
+    return f"window-{end}-zc{z:g}"
+
+
+def held_out_setting(z: float, share: float | None) -> str:
+    """A held-out run's setting: its z_c, and its window and lr where they are not the rule's."""
+    if share is None:
+        return f"heldout-zc{z:g}"
+    w = window(share)
+    return f"heldout-zc{z:g}-bptt{w.bptt}-lr{w.lr:g}"
 
 
 def defaults_loco(config: cb.BenchmarkConfig = cb.BenchmarkConfig(),
@@ -147,8 +227,9 @@ def defaults_loco(config: cb.BenchmarkConfig = cb.BenchmarkConfig(),
         got = once(grid_setting(z), corpus.name, 1, zoneout(z))
         if got is not None:
             planned, row = got
+            rule = planned.spec.rule
             rows.append({**row, "corpus": corpus.name, "seed": 1, "zoneout_cell": z,
-                         "epochs": planned.spec.rule.expected_epochs if planned.spec.rule else None})
+                         "epochs": rule.expected_epochs if rule else None, "regime": rule.regime if rule else None})
     shown = []  # every grid row with a finished run, for the table
     for corpus in corpora:
         mine = [r for r in rows if r["corpus"] == corpus.name]
@@ -158,19 +239,49 @@ def defaults_loco(config: cb.BenchmarkConfig = cb.BenchmarkConfig(),
                                  {r["zoneout_cell"]: r["valid_bpc"] for r in mine}))
             if len(mine) == len(GRID):  # only --report meets an incomplete row: no fit uses it
                 grid.append(shown[-1])
+    windows, window_runs = [], []  # the window grid: complete rows (for the fits), and its runs
+    for g in grid:
+        z = window_zoneout(g.epochs)
+        base = next(r for r in rows if r["corpus"] == g.corpus and r["zoneout_cell"] == z)
+        valid = {base["regime"]: base["valid_bpc"]} if base["regime"] in WINDOW_ENDS else {}
+        for share, end in enumerate(WINDOW_ENDS):
+            if end not in valid:
+                say(f"[window] {g.corpus}: the {end} regime's window and lr, z_c {z:g}")
+                got = once(window_setting(end, z), g.corpus, 1, zoneout(z) | window(share))
+                if got is not None:
+                    valid[end] = got[1]["valid_bpc"]
+                    window_runs.append({**got[1], "corpus": g.corpus, "seed": 1, "zoneout_cell": z, "window": end})
+        if len(valid) == len(WINDOW_ENDS):
+            windows.append(WindowRow(g.corpus, g.epochs, z, {end: valid[end] for end in WINDOW_ENDS}))
     folds = {r.corpus: fit(grid, exclude=r.corpus) for r in grid} if len(grid) > 1 or not config.report else {}
-    held, held_z = [], {}  # held_z: corpus -> its held-out z_c
+    window_folds = ({r.corpus: fit_window(windows, exclude=r.corpus) for r in windows}
+                    if len(windows) > 1 or not config.report else {})
+    held, held_z, held_w = [], {}, {}  # corpus -> its held-out z_c, and its window and lr
     for corpus in corpora:
-        if corpus.name in folds:
+        if corpus.name in folds and corpus.name in window_folds:
             g = next(g for g in grid if g.corpus == corpus.name)
             z = held_z[corpus.name] = folds[corpus.name][0].zoneout_cell(g.epochs)
+            share = window_folds[corpus.name][0].share(g.epochs)
+            held_w[corpus.name] = window(share)
+            own = None if share == window_share(g.epochs) else share  # None: the rule's window
+            extra = zoneout(z) | (Options() if own is None else window(own))
             for seed in config.seeds:
-                setting = grid_setting(z) if seed == 1 and z in GRID else f"heldout-zc{z:g}"
-                say(f"[held out] {corpus.name}: z_c {z:g} (chosen without it), seed {seed}")
-                got = once(setting, corpus.name, seed, zoneout(z))
+                setting = held_out_setting(z, own)
+                if seed == 1 and z in GRID and own is None:
+                    setting = grid_setting(z)
+                elif seed == 1 and z in GRID and own in (0.0, 1.0):
+                    setting = window_setting(WINDOW_ENDS[int(own)], z)
+                say(f"[held out] {corpus.name}: z_c {z:g}, bptt {held_w[corpus.name].bptt}, lr "
+                    f"{held_w[corpus.name].lr:g} (chosen without it), seed {seed}")
+                got = once(setting, corpus.name, seed, extra)
                 if got is not None:
                     held.append({**got[1], "corpus": corpus.name, "seed": seed, "zoneout_cell": z,
+                                 "bptt": held_w[corpus.name].bptt, "lr": held_w[corpus.name].lr,
                                  "setting": HELD_OUT})
+        elif corpus.name in folds and any(w.corpus == corpus.name for w in windows):
+            missing.append(f"{corpus.name}'s held-out runs (no other corpus's window row is complete)")
+        elif corpus.name in folds:
+            missing.append(f"{corpus.name}'s held-out runs (its window row is not complete)")
         elif any(g.corpus == corpus.name for g in grid):
             missing.append(f"{corpus.name}'s held-out runs (no other corpus's grid row is complete)")
         else:
@@ -181,15 +292,21 @@ def defaults_loco(config: cb.BenchmarkConfig = cb.BenchmarkConfig(),
             if got is not None:
                 held.append({**got[1], "corpus": corpus.name, "seed": seed, "setting": "baseline"})
     overall = fit(grid) if len(grid) > 1 else None
-    summary = summarize(held, len(config.seeds), held_z)
-    md = loco_markdown(config, infos, shown, folds, summary, overall, missing)
+    overall_window = fit_window(windows) if len(windows) > 1 else None
+    summary = summarize(held, len(config.seeds), held_z, held_w)
+    md = loco_markdown(config, infos, shown, folds, summary, overall, missing, windows, window_folds,
+                       overall_window)
     ckpt.write_json(out / "loco.json", {
         "recipe": NAME, "budget": config.budget(), "seeds": list(config.seeds), "grid_points": list(GRID),
-        "hidden_share": HIDDEN_SHARE, "candidates": CANDIDATES, "corpora": infos,
-        "grid": [asdict(g) for g in grid],
+        "hidden_share": HIDDEN_SHARE, "candidates": CANDIDATES, "window_candidates": WINDOW_CANDIDATES,
+        "corpora": infos, "grid": [asdict(g) for g in grid],
         "folds": {k: {"constants": asdict(c), "mean_excess": s} for k, (c, s) in folds.items()},
         "all_corpora": None if overall is None else {"constants": asdict(overall[0]), "mean_excess": overall[1]},
-        "summary": summary, "missing": missing, "grid_runs": rows, "runs": held})
+        "window_grid": [asdict(w) for w in windows],
+        "window_folds": {k: {"constants": asdict(c), "mean_excess": s} for k, (c, s) in window_folds.items()},
+        "window_all_corpora": None if overall_window is None else {
+            "constants": asdict(overall_window[0]), "mean_excess": overall_window[1]},
+        "summary": summary, "missing": missing, "grid_runs": rows, "window_runs": window_runs, "runs": held})
     (out / "loco.md").write_text(md, encoding="utf-8")
     return RecipeResult(NAME, out, held, md, [out / "loco.json", out / "loco.md"])
 
@@ -197,31 +314,38 @@ def defaults_loco(config: cb.BenchmarkConfig = cb.BenchmarkConfig(),
 # ------------------------------------------------------------------ results
 
 
-def summarize(held: list[dict], seeds: int, held_z: dict[str, float]) -> list[dict]:
+def summarize(held: list[dict], seeds: int, held_z: dict[str, float],
+              held_w: dict[str, Options] | None = None) -> list[dict]:
     """Per corpus (`cb.summarize`): held-out and baseline means over the seeds, Δ and
     whether the held-out rule wins by cb.WIN_MARGIN on valid and test (None while runs are
-    missing); and its z_c from `held_z` (None without a fold)."""
+    missing); its z_c from `held_z` and its bptt and lr from `held_w` (None without a fold)."""
     out = cb.summarize(held, (HELD_OUT, "baseline"), seeds)
     for entry in out:
         entry["zoneout_cell"] = held_z.get(entry["corpus"])
+        w = (held_w or {}).get(entry["corpus"])
+        entry["bptt"], entry["lr"] = (None, None) if w is None else (w.bptt, w.lr)
     return out
 
 
 def loco_markdown(config: cb.BenchmarkConfig, infos: list[dict], grid: list[GridRow], folds: dict,
-                  summary: list[dict], overall, missing: list[str] = ()) -> str:
+                  summary: list[dict], overall, missing: list[str] = (), windows: list[WindowRow] = (),
+                  window_folds: dict | None = None, overall_window=None) -> str:
     """OUT/loco.md: the held-out table, the grid (rows with any finished run) and each
-    fold's constants, the constants fitted on all corpora, the corpora."""
+    fold's constants, the window grid and each fold's window ramp, the constants fitted on
+    all corpora, the corpora."""
+    window_folds = window_folds or {}
     budget = (f"{config.max_steps:,} steps" if config.max_steps is not None else f"{config.minutes:g} minutes")
-    lines = [f"Leave-one-corpus-out: the defaults rule's zoneout chosen without each corpus, scored on it "
-             f"({budget} per run, seeds {', '.join(map(str, config.seeds))}; Δ = held out - baseline, a win "
-             f"when Δ <= -{cb.WIN_MARGIN:g} on valid and test).", "",
+    lines = [f"Leave-one-corpus-out: the defaults rule's zoneout, window and lr chosen without each corpus, "
+             f"scored on it ({budget} per run, seeds {', '.join(map(str, config.seeds))}; Δ = held out - "
+             f"baseline, a win when Δ <= -{cb.WIN_MARGIN:g} on valid and test).", "",
              *(cb.report_lines(list(missing)) if config.report else []),
-             "| corpus | E | z_c held out | held-out valid | baseline valid | Δ valid | held-out test | "
-             "baseline test | Δ test | win |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| corpus | E | z_c held out | bptt, lr held out | held-out valid | baseline valid | Δ valid | "
+             "held-out test | baseline test | Δ test | win |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     epochs = {g.corpus: g.epochs for g in grid}
     for s in summary:
         e, z = epochs.get(s["corpus"]), s["zoneout_cell"]
         cells = [s["corpus"], cb.fmt(e, 1), "-" if z is None else f"{z:g}",
+                 "-" if s["bptt"] is None else f"{s['bptt']}, {s['lr']:g}",
                  cb.fmt(s["heldout_valid"]), cb.fmt(s["baseline_valid"]), cb.fmt(s["delta_valid"], signed=True),
                  cb.fmt(s["heldout_test"]), cb.fmt(s["baseline_test"]), cb.fmt(s["delta_test"], signed=True),
                  cb.win_cell(s, HELD_OUT, len(config.seeds))]
@@ -235,13 +359,29 @@ def loco_markdown(config: cb.BenchmarkConfig, infos: list[dict], grid: list[Grid
         constants = "-" if fold is None else f"{fold[0].start:g}, {fold[0].full:g}, {fold[0].cell:g}"
         lines.append(f"| {g.corpus} | {g.epochs:.1f} | " + " | ".join(cb.fmt(g.valid.get(z)) for z in GRID)
                      + f" | {constants} |")
+    ends = [window(share) for share in range(len(WINDOW_ENDS))]
+    lines += ["", "The window grid (seed 1, valid BPC at either regime's window and lr, at the grid z_c nearest "
+              "the rule's) and each fold's window ramp (chosen without the corpus):", "",
+              "| corpus | E | z_c | " + " | ".join(f"{end} (bptt {w.bptt}, lr {w.lr:g})"
+                                                  for end, w in zip(WINDOW_ENDS, ends, strict=True))
+              + " | fold: start, full |", "|---|---|---|" + "---|" * len(WINDOW_ENDS) + "---|"]
+    for w in windows:
+        fold = window_folds.get(w.corpus)
+        constants = "-" if fold is None else f"{fold[0].start:g}, {fold[0].full:g}"
+        lines.append(f"| {w.corpus} | {w.epochs:.1f} | {w.zoneout_cell:g} | "
+                     + " | ".join(cb.fmt(w.valid[end]) for end in WINDOW_ENDS) + f" | {constants} |")
+    fitted = len(folds)
+    on = "every corpus" if fitted == len(infos) else f"the {fitted} corpora whose grid row is complete"
     if overall is not None:
         c, s = overall
-        fitted = len(folds)
-        on = "every corpus" if fitted == len(infos) else f"the {fitted} corpora whose grid row is complete"
         lines += ["", f"Fitted on {on}: ZONEOUT_FROM {c.start:g}, ZONEOUT_FULL {c.full:g}, "
                   f"ZONEOUT_CELL {c.cell:g}, ZONEOUT_HIDDEN {c.cell * HIDDEN_SHARE:g} (predicted valid "
                   f"{100 * s:.2f}% above each corpus's best grid point, on average)."]
+    if overall_window is not None:
+        c, s = overall_window
+        on = "every corpus" if len(windows) == len(infos) else f"the {len(windows)} corpora whose window row is complete"
+        lines += ["", f"Window fitted on {on}: REGULARISED_FROM {c.start:g}, REGULARISED_FULL {c.full:g} "
+                  f"(predicted valid {100 * s:.2f}% above each corpus's better end, on average)."]
     lines += ["", "Corpora: " + ", ".join(f"{i['name']} ({i['kind']}, {i['characters']:,} characters)"
                                           for i in infos) + ".", ""]
     return "\n".join(lines)

@@ -48,9 +48,11 @@ from dataclasses import dataclass, replace
 from zlm.core.config import Options
 from zlm.core.spec import DefaultsRule
 
+# The next five constants are chosen by `zlm recipe defaults-loco` (zlm/tools/loco.py); ZONEOUT_HIDDEN
+# is half of ZONEOUT_CELL.
 REGULARISED_FROM = 10.0  # expected passes up to which a run takes the data-rich regime's window and lr
 REGULARISED_FULL = 16.0  # expected passes from which it takes the regularised regime's (a ramp between)
-ZONEOUT_FROM = 8.0  # expected passes up to which a run has no zoneout (these three: `zlm recipe defaults-loco`)
+ZONEOUT_FROM = 8.0  # expected passes up to which a run has no zoneout
 ZONEOUT_FULL = 16.0  # expected passes from which it has the full ZONEOUT_CELL and ZONEOUT_HIDDEN
 ZONEOUT_CELL = 0.1  # z_c at full strength
 ZONEOUT_HIDDEN = 0.05  # z_h at full strength
@@ -117,21 +119,27 @@ def window_share(epochs: float) -> float:
     return zoneout_strength(epochs, REGULARISED_FROM, REGULARISED_FULL)
 
 
+def window_at(share: float) -> Options:
+    """The window and lr `share` of the way from the data-rich regime's (0) to the regularised
+    regime's (1): geometric between them (lr to 3 significant figures, bptt to whole tokens),
+    with the data-rich regime's other settings."""
+    rich, reg = REGIMES["data-rich"], REGIMES["regularised"]
+    if share <= 0.0:
+        return rich.options()
+    if share >= 1.0:
+        return reg.options()
+    lr = float(f"{rich.lr * (reg.lr / rich.lr) ** share:.3g}")
+    bptt = round(rich.bptt * (reg.bptt / rich.bptt) ** share)
+    return rich.options() | Options(lr=lr, bptt=bptt)
+
+
 def regime_for(epochs: float) -> tuple[str, Options]:
     """The regime's name and settings for a run of `epochs` expected passes: the data-rich
     regime's up to REGULARISED_FROM, the regularised regime's from REGULARISED_FULL, and
-    "between" them lr and bptt move geometrically, in step with log passes (lr to 3
-    significant figures, bptt to whole tokens): 1% more passes never move bptt by more than
-    a token nor lr by more than 1%."""
-    rich, reg = REGIMES["data-rich"], REGIMES["regularised"]
+    "between" them lr and bptt move geometrically, in step with log passes (`window_at`):
+    1% more passes never move bptt by more than a token nor lr by more than 1%."""
     k = window_share(epochs)
-    if k == 0.0:
-        return "data-rich", rich.options()
-    if k == 1.0:
-        return "regularised", reg.options()
-    lr = float(f"{rich.lr * (reg.lr / rich.lr) ** k:.3g}")
-    bptt = round(rich.bptt * (reg.bptt / rich.bptt) ** k)
-    return "between", rich.options() | Options(lr=lr, bptt=bptt)
+    return ("data-rich" if k == 0.0 else "regularised" if k == 1.0 else "between"), window_at(k)
 
 
 def zoneout_for(epochs: float) -> Options:
