@@ -204,97 +204,47 @@ def held_out_setting(z: float, share: float | None) -> str:
     return f"heldout-zc{z:g}-bptt{w.bptt}-lr{w.lr:g}"
 
 
+@dataclass
+class _Runner:
+    """Trains (or keeps, or restores) one run of the procedure; notes the runs --report lacks."""
+
+    config: cb.BenchmarkConfig
+    out: Path
+    datas: dict
+    make_reporter: ReporterFactory
+    missing: list[str]
+
+    def say(self, text: str) -> None:
+        if not self.config.report:
+            self.make_reporter().message(text)
+
+    def once(self, setting: str, corpus: str, seed: int, extra: Options = Options()):
+        got = cb.train_once(setting, self.datas[corpus], seed, self.config, self.out / corpus,
+                            self.make_reporter, extra)
+        if got is None:
+            self.missing.append(f"{corpus}/{setting}-seed{seed}")
+        return got
+
+
 def defaults_loco(config: cb.BenchmarkConfig = cb.BenchmarkConfig(),
                   make_reporter: ReporterFactory = Reporter) -> RecipeResult:
-    """The grid, the folds, the held-out runs and the baseline; then the tables."""
+    """The grid, the window grid, the folds, the held-out runs and the baseline; then the tables."""
     out = Path(config.out or Path("runs") / cb.NAME)
     rep = make_reporter()
     corpora = benchmark.select(benchmark.load_benchmark(config.spec), config.only)
     datas = {c.name: cb.prepare_corpus(c, config, out, rep) for c in corpora}
     infos = [cb.corpus_info(c, datas[c.name]) for c in corpora]
-    rows, grid, missing = [], [], []
-    say = (lambda text: None) if config.report else rep.message
-
-    def once(setting: str, corpus: str, seed: int, extra: Options = Options()):
-        got = cb.train_once(setting, datas[corpus], seed, config, out / corpus, make_reporter, extra)
-        if got is None:
-            missing.append(f"{corpus}/{setting}-seed{seed}")
-        return got
-
-    total = len(corpora) * len(GRID)
-    for i, (corpus, z) in enumerate(itertools.product(corpora, GRID)):
-        say(f"[grid {i + 1}/{total}] {corpus.name}, z_c {z:g}")
-        got = once(grid_setting(z), corpus.name, 1, zoneout(z))
-        if got is not None:
-            planned, row = got
-            rule = planned.spec.rule
-            rows.append({**row, "corpus": corpus.name, "seed": 1, "zoneout_cell": z,
-                         "epochs": rule.expected_epochs if rule else None, "regime": rule.regime if rule else None})
-    shown = []  # every grid row with a finished run, for the table
-    for corpus in corpora:
-        mine = [r for r in rows if r["corpus"] == corpus.name]
-        epochs = [r["epochs"] for r in mine if r["epochs"] is not None]
-        if mine:
-            shown.append(GridRow(corpus.name, statistics.fmean(epochs) if epochs else 0.0,
-                                 {r["zoneout_cell"]: r["valid_bpc"] for r in mine}))
-            if len(mine) == len(GRID):  # only --report meets an incomplete row: no fit uses it
-                grid.append(shown[-1])
-    windows, window_runs = [], []  # the window grid: complete rows (for the fits), and its runs
-    for g in grid:
-        z = window_zoneout(g.epochs)
-        base = next(r for r in rows if r["corpus"] == g.corpus and r["zoneout_cell"] == z)
-        valid = {base["regime"]: base["valid_bpc"]} if base["regime"] in WINDOW_ENDS else {}
-        for share, end in enumerate(WINDOW_ENDS):
-            if end not in valid:
-                say(f"[window] {g.corpus}: the {end} regime's window and lr, z_c {z:g}")
-                got = once(window_setting(end, z), g.corpus, 1, zoneout(z) | window(share))
-                if got is not None:
-                    valid[end] = got[1]["valid_bpc"]
-                    window_runs.append({**got[1], "corpus": g.corpus, "seed": 1, "zoneout_cell": z, "window": end})
-        if len(valid) == len(WINDOW_ENDS):
-            windows.append(WindowRow(g.corpus, g.epochs, z, {end: valid[end] for end in WINDOW_ENDS}))
+    runner = _Runner(config, out, datas, make_reporter, [])
+    rows, shown, grid = run_grid(runner, [c.name for c in corpora])
+    windows, window_runs = run_window_grid(runner, grid, rows)
     folds = {r.corpus: fit(grid, exclude=r.corpus) for r in grid} if len(grid) > 1 or not config.report else {}
     window_folds = ({r.corpus: fit_window(windows, exclude=r.corpus) for r in windows}
                     if len(windows) > 1 or not config.report else {})
-    held, held_z, held_w = [], {}, {}  # corpus -> its held-out z_c, and its window and lr
-    for corpus in corpora:
-        if corpus.name in folds and corpus.name in window_folds:
-            g = next(g for g in grid if g.corpus == corpus.name)
-            z = held_z[corpus.name] = folds[corpus.name][0].zoneout_cell(g.epochs)
-            share = window_folds[corpus.name][0].share(g.epochs)
-            held_w[corpus.name] = window(share)
-            own = None if share == window_share(g.epochs) else share  # None: the rule's window
-            extra = zoneout(z) | (Options() if own is None else window(own))
-            for seed in config.seeds:
-                setting = held_out_setting(z, own)
-                if seed == 1 and z in GRID and own is None:
-                    setting = grid_setting(z)
-                elif seed == 1 and z in GRID and own in (0.0, 1.0):
-                    setting = window_setting(WINDOW_ENDS[int(own)], z)
-                say(f"[held out] {corpus.name}: z_c {z:g}, bptt {held_w[corpus.name].bptt}, lr "
-                    f"{held_w[corpus.name].lr:g} (chosen without it), seed {seed}")
-                got = once(setting, corpus.name, seed, extra)
-                if got is not None:
-                    held.append({**got[1], "corpus": corpus.name, "seed": seed, "zoneout_cell": z,
-                                 "bptt": held_w[corpus.name].bptt, "lr": held_w[corpus.name].lr,
-                                 "setting": HELD_OUT})
-        elif corpus.name in folds and any(w.corpus == corpus.name for w in windows):
-            missing.append(f"{corpus.name}'s held-out runs (no other corpus's window row is complete)")
-        elif corpus.name in folds:
-            missing.append(f"{corpus.name}'s held-out runs (its window row is not complete)")
-        elif any(g.corpus == corpus.name for g in grid):
-            missing.append(f"{corpus.name}'s held-out runs (no other corpus's grid row is complete)")
-        else:
-            missing.append(f"{corpus.name}'s held-out runs (its grid row is not complete)")
-        for seed in config.seeds:
-            say(f"[baseline] {corpus.name}, seed {seed}")
-            got = once("baseline", corpus.name, seed)
-            if got is not None:
-                held.append({**got[1], "corpus": corpus.name, "seed": seed, "setting": "baseline"})
+    held, held_z, held_w = run_held_out(runner, [c.name for c in corpora], grid, folds, windows, window_folds)
     overall = fit(grid) if len(grid) > 1 else None
     overall_window = fit_window(windows) if len(windows) > 1 else None
     summary = summarize(held, len(config.seeds), held_z, held_w)
-    md = loco_markdown(config, infos, shown, folds, summary, overall, missing, windows, window_folds,
+    md = loco_markdown(config, infos, shown, folds, summary, overall, runner.missing, windows, window_folds,
                        overall_window)
     ckpt.write_json(out / "loco.json", {
         "recipe": NAME, "budget": config.budget(), "seeds": list(config.seeds), "grid_points": list(GRID),
@@ -306,9 +256,99 @@ def defaults_loco(config: cb.BenchmarkConfig = cb.BenchmarkConfig(),
         "window_folds": {k: {"constants": asdict(c), "mean_excess": s} for k, (c, s) in window_folds.items()},
         "window_all_corpora": None if overall_window is None else {
             "constants": asdict(overall_window[0]), "mean_excess": overall_window[1]},
-        "summary": summary, "missing": missing, "grid_runs": rows, "window_runs": window_runs, "runs": held})
+        "summary": summary, "missing": runner.missing, "grid_runs": rows, "window_runs": window_runs,
+        "runs": held})
     (out / "loco.md").write_text(md, encoding="utf-8")
     return RecipeResult(NAME, out, held, md, [out / "loco.json", out / "loco.md"])
+
+
+def run_grid(runner: _Runner, corpora: list[str]) -> tuple[list[dict], list[GridRow], list[GridRow]]:
+    """Step 1: each corpus at each z_c of GRID. -> the runs' rows, every grid row with a
+    finished run (for the table) and the complete rows (for the fits)."""
+    rows, shown, grid = [], [], []
+    total = len(corpora) * len(GRID)
+    for i, (corpus, z) in enumerate(itertools.product(corpora, GRID)):
+        runner.say(f"[grid {i + 1}/{total}] {corpus}, z_c {z:g}")
+        got = runner.once(grid_setting(z), corpus, 1, zoneout(z))
+        if got is not None:
+            planned, row = got
+            rule = planned.spec.rule
+            rows.append({**row, "corpus": corpus, "seed": 1, "zoneout_cell": z,
+                         "epochs": rule.expected_epochs if rule else None, "regime": rule.regime if rule else None})
+    for corpus in corpora:
+        mine = [r for r in rows if r["corpus"] == corpus]
+        epochs = [r["epochs"] for r in mine if r["epochs"] is not None]
+        if mine:
+            shown.append(GridRow(corpus, statistics.fmean(epochs) if epochs else 0.0,
+                                 {r["zoneout_cell"]: r["valid_bpc"] for r in mine}))
+            if len(mine) == len(GRID):  # only --report meets an incomplete row: no fit uses it
+                grid.append(shown[-1])
+    return rows, shown, grid
+
+
+def run_window_grid(runner: _Runner, grid: list[GridRow], rows: list[dict]) -> tuple[list[WindowRow], list[dict]]:
+    """Step 2: each corpus with a complete grid row at the window end its grid run at
+    `window_zoneout` did not take (both ends when that run was between them). -> the
+    complete window rows and the window runs' rows."""
+    windows, window_runs = [], []
+    for g in grid:
+        z = window_zoneout(g.epochs)
+        base = next(r for r in rows if r["corpus"] == g.corpus and r["zoneout_cell"] == z)
+        valid = {base["regime"]: base["valid_bpc"]} if base["regime"] in WINDOW_ENDS else {}
+        for share, end in enumerate(WINDOW_ENDS):
+            if end not in valid:
+                runner.say(f"[window] {g.corpus}: the {end} regime's window and lr, z_c {z:g}")
+                got = runner.once(window_setting(end, z), g.corpus, 1, zoneout(z) | window(share))
+                if got is not None:
+                    valid[end] = got[1]["valid_bpc"]
+                    window_runs.append({**got[1], "corpus": g.corpus, "seed": 1, "zoneout_cell": z, "window": end})
+        if len(valid) == len(WINDOW_ENDS):
+            windows.append(WindowRow(g.corpus, g.epochs, z, {end: valid[end] for end in WINDOW_ENDS}))
+    return windows, window_runs
+
+
+def run_held_out(runner: _Runner, corpora: list[str], grid: list[GridRow], folds: dict, windows: list[WindowRow],
+                 window_folds: dict) -> tuple[list[dict], dict[str, float], dict[str, Options]]:
+    """Step 4: each corpus with both folds at its held-out z_c, window and lr, and the
+    baseline, every seed. -> the runs' rows, and each corpus's held-out z_c and window."""
+    held, held_z, held_w = [], {}, {}
+    for corpus in corpora:
+        if corpus in folds and corpus in window_folds:
+            g = next(g for g in grid if g.corpus == corpus)
+            z = held_z[corpus] = folds[corpus][0].zoneout_cell(g.epochs)
+            share = window_folds[corpus][0].share(g.epochs)
+            w = held_w[corpus] = window(share)
+            own = None if share == window_share(g.epochs) else share  # None: the rule's window
+            for seed in runner.config.seeds:
+                setting = held_out_setting(z, own)
+                if seed == 1 and z in GRID and own is None:
+                    setting = grid_setting(z)
+                elif seed == 1 and z in GRID and own in (0.0, 1.0):
+                    setting = window_setting(WINDOW_ENDS[int(own)], z)
+                runner.say(f"[held out] {corpus}: z_c {z:g}, bptt {w.bptt}, lr {w.lr:g} (chosen without it), "
+                           f"seed {seed}")
+                got = runner.once(setting, corpus, seed, zoneout(z) | (Options() if own is None else window(own)))
+                if got is not None:
+                    held.append({**got[1], "corpus": corpus, "seed": seed, "zoneout_cell": z, "bptt": w.bptt,
+                                 "lr": w.lr, "setting": HELD_OUT})
+        else:
+            runner.missing.append(f"{corpus}'s held-out runs ({_why_no_fold(corpus, grid, folds, windows)})")
+        for seed in runner.config.seeds:
+            runner.say(f"[baseline] {corpus}, seed {seed}")
+            got = runner.once("baseline", corpus, seed)
+            if got is not None:
+                held.append({**got[1], "corpus": corpus, "seed": seed, "setting": "baseline"})
+    return held, held_z, held_w
+
+
+def _why_no_fold(corpus: str, grid: list[GridRow], folds: dict, windows: list[WindowRow]) -> str:
+    if corpus in folds:
+        if any(w.corpus == corpus for w in windows):
+            return "no other corpus's window row is complete"
+        return "its window row is not complete"
+    if any(g.corpus == corpus for g in grid):
+        return "no other corpus's grid row is complete"
+    return "its grid row is not complete"
 
 
 # ------------------------------------------------------------------ results
