@@ -91,7 +91,7 @@ class WindowConstants:
     full: float
 
     def share(self, epochs: float) -> float:
-        return zoneout_strength(epochs, self.start, self.full)
+        return window_share(epochs, self.start, self.full)
 
 
 @dataclass(frozen=True)
@@ -250,16 +250,18 @@ def defaults_loco(config: cb.BenchmarkConfig = cb.BenchmarkConfig(),
         "recipe": NAME, "budget": config.budget(), "seeds": list(config.seeds), "grid_points": list(GRID),
         "hidden_share": HIDDEN_SHARE, "candidates": CANDIDATES, "window_candidates": WINDOW_CANDIDATES,
         "corpora": infos, "grid": [asdict(g) for g in grid],
-        "folds": {k: {"constants": asdict(c), "mean_excess": s} for k, (c, s) in folds.items()},
-        "all_corpora": None if overall is None else {"constants": asdict(overall[0]), "mean_excess": overall[1]},
+        "folds": {k: _fitted(f) for k, f in folds.items()}, "all_corpora": _fitted(overall),
         "window_grid": [asdict(w) for w in windows],
-        "window_folds": {k: {"constants": asdict(c), "mean_excess": s} for k, (c, s) in window_folds.items()},
-        "window_all_corpora": None if overall_window is None else {
-            "constants": asdict(overall_window[0]), "mean_excess": overall_window[1]},
+        "window_folds": {k: _fitted(f) for k, f in window_folds.items()}, "window_all_corpora": _fitted(overall_window),
         "summary": summary, "missing": runner.missing, "grid_runs": rows, "window_runs": window_runs,
         "runs": held})
     (out / "loco.md").write_text(md, encoding="utf-8")
     return RecipeResult(NAME, out, held, md, [out / "loco.json", out / "loco.md"])
+
+
+def _fitted(fitted: tuple | None) -> dict | None:
+    """A fit's (constants, mean excess) for loco.json."""
+    return None if fitted is None else {"constants": asdict(fitted[0]), "mean_excess": fitted[1]}
 
 
 def run_grid(runner: _Runner, corpora: list[str]) -> tuple[list[dict], list[GridRow], list[GridRow]]:
@@ -354,26 +356,24 @@ def _why_no_fold(corpus: str, grid: list[GridRow], folds: dict, windows: list[Wi
 # ------------------------------------------------------------------ results
 
 
-def summarize(held: list[dict], seeds: int, held_z: dict[str, float],
-              held_w: dict[str, Options] | None = None) -> list[dict]:
+def summarize(held: list[dict], seeds: int, held_z: dict[str, float], held_w: dict[str, Options]) -> list[dict]:
     """Per corpus (`cb.summarize`): held-out and baseline means over the seeds, Δ and
     whether the held-out rule wins by cb.WIN_MARGIN on valid and test (None while runs are
     missing); its z_c from `held_z` and its bptt and lr from `held_w` (None without a fold)."""
     out = cb.summarize(held, (HELD_OUT, "baseline"), seeds)
     for entry in out:
         entry["zoneout_cell"] = held_z.get(entry["corpus"])
-        w = (held_w or {}).get(entry["corpus"])
+        w = held_w.get(entry["corpus"])
         entry["bptt"], entry["lr"] = (None, None) if w is None else (w.bptt, w.lr)
     return out
 
 
 def loco_markdown(config: cb.BenchmarkConfig, infos: list[dict], grid: list[GridRow], folds: dict,
-                  summary: list[dict], overall, missing: list[str] = (), windows: list[WindowRow] = (),
-                  window_folds: dict | None = None, overall_window=None) -> str:
+                  summary: list[dict], overall, missing: list[str], windows: list[WindowRow],
+                  window_folds: dict, overall_window) -> str:
     """OUT/loco.md: the held-out table, the grid (rows with any finished run) and each
     fold's constants, the window grid and each fold's window ramp, the constants fitted on
     all corpora, the corpora."""
-    window_folds = window_folds or {}
     budget = (f"{config.max_steps:,} steps" if config.max_steps is not None else f"{config.minutes:g} minutes")
     lines = [f"Leave-one-corpus-out: the defaults rule's zoneout, window and lr chosen without each corpus, "
              f"scored on it ({budget} per run, seeds {', '.join(map(str, config.seeds))}; Δ = held out - "
@@ -410,18 +410,19 @@ def loco_markdown(config: cb.BenchmarkConfig, infos: list[dict], grid: list[Grid
         constants = "-" if fold is None else f"{fold[0].start:g}, {fold[0].full:g}"
         lines.append(f"| {w.corpus} | {w.epochs:.1f} | {w.zoneout_cell:g} | "
                      + " | ".join(cb.fmt(w.valid[end]) for end in WINDOW_ENDS) + f" | {constants} |")
-    fitted = len(folds)
-    on = "every corpus" if fitted == len(infos) else f"the {fitted} corpora whose grid row is complete"
     if overall is not None:
         c, s = overall
-        lines += ["", f"Fitted on {on}: ZONEOUT_FROM {c.start:g}, ZONEOUT_FULL {c.full:g}, "
+        lines += ["", f"Fitted on {_on(len(folds), len(infos), 'grid')}: ZONEOUT_FROM {c.start:g}, ZONEOUT_FULL {c.full:g}, "
                   f"ZONEOUT_CELL {c.cell:g}, ZONEOUT_HIDDEN {c.cell * HIDDEN_SHARE:g} (predicted valid "
                   f"{100 * s:.2f}% above each corpus's best grid point, on average)."]
     if overall_window is not None:
         c, s = overall_window
-        on = "every corpus" if len(windows) == len(infos) else f"the {len(windows)} corpora whose window row is complete"
-        lines += ["", f"Window fitted on {on}: REGULARISED_FROM {c.start:g}, REGULARISED_FULL {c.full:g} "
+        lines += ["", f"Window fitted on {_on(len(windows), len(infos), 'window')}: REGULARISED_FROM {c.start:g}, REGULARISED_FULL {c.full:g} "
                   f"(predicted valid {100 * s:.2f}% above each corpus's better end, on average)."]
     lines += ["", "Corpora: " + ", ".join(f"{i['name']} ({i['kind']}, {i['characters']:,} characters)"
                                           for i in infos) + ".", ""]
     return "\n".join(lines)
+
+
+def _on(fitted: int, corpora: int, row: str) -> str:
+    return "every corpus" if fitted == corpora else f"the {fitted} corpora whose {row} row is complete"

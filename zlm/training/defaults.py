@@ -112,11 +112,10 @@ def zoneout_strength(epochs: float, start: float = ZONEOUT_FROM, full: float = Z
     return math.log(epochs / start) / math.log(full / start)
 
 
-def window_share(epochs: float) -> float:
+def window_share(epochs: float, start: float = REGULARISED_FROM, full: float = REGULARISED_FULL) -> float:
     """How far a run of `epochs` expected passes is from the data-rich regime's window and
-    lr (0) to the regularised regime's (1): `zoneout_strength` between REGULARISED_FROM and
-    REGULARISED_FULL."""
-    return zoneout_strength(epochs, REGULARISED_FROM, REGULARISED_FULL)
+    lr (0) to the regularised regime's (1): `zoneout_strength` between `start` and `full`."""
+    return zoneout_strength(epochs, start, full)
 
 
 def window_at(share: float) -> Options:
