@@ -3,7 +3,8 @@
 tests/fixtures/plans.json holds the configs and the defaults rule's decision that
 `zlm train` planned for seven sources and option sets (the speed probe fixed at 14,000
 tokens/s), first recorded with the code before `plan` existed and re-recorded on purpose
-when the rule changed (its zoneout ramp, weight averaging and overfitting guard); the same
+when the rule changed (its zoneout ramp, weight averaging, overfitting guard and the
+window ramp's ends); the same
 inputs must plan the same run.
 """
 

@@ -50,8 +50,8 @@ from zlm.core.spec import DefaultsRule
 
 # The next five constants are chosen by `zlm recipe defaults-loco` (zlm/tools/loco.py); ZONEOUT_HIDDEN
 # is half of ZONEOUT_CELL.
-REGULARISED_FROM = 10.0  # expected passes up to which a run takes the data-rich regime's window and lr
-REGULARISED_FULL = 16.0  # expected passes from which it takes the regularised regime's (a ramp between)
+REGULARISED_FROM = 4.0  # expected passes up to which a run takes the data-rich regime's window and lr
+REGULARISED_FULL = 8.0  # expected passes from which it takes the regularised regime's (a ramp between)
 ZONEOUT_FROM = 8.0  # expected passes up to which a run has no zoneout
 ZONEOUT_FULL = 16.0  # expected passes from which it has the full ZONEOUT_CELL and ZONEOUT_HIDDEN
 ZONEOUT_CELL = 0.1  # z_c at full strength
