@@ -99,6 +99,20 @@ def test_instruction_set_from_flags(flags, isa):
     assert all("native" not in f for f in cpu_ext._ISA_FLAGS[isa])
 
 
+def test_cpu_name_and_flags_from_cpuinfo(tmp_path, monkeypatch):
+    """The first processor's model name and flags; without /proc/cpuinfo, no flags and the
+    architecture as the name (a run's log still says something)."""
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R) Processor\n"
+                    "flags\t\t: fpu avx2 fma avx512_bf16 amx_bf16\n\nprocessor\t: 1\nmodel name\t: other\n")
+    monkeypatch.setattr(cpu_ext, "CPUINFO", info)
+    assert cpu_ext.cpu_name() == "Intel(R) Xeon(R) Processor"
+    assert cpu_ext.cpu_flags() == {"fpu", "avx2", "fma", "avx512_bf16", "amx_bf16"}
+    monkeypatch.setattr(cpu_ext, "CPUINFO", tmp_path / "absent")
+    monkeypatch.setattr(cpu_ext.platform, "processor", lambda: "")
+    assert cpu_ext.cpu_flags() == set() and cpu_ext.cpu_name() == cpu_ext.platform.machine()
+
+
 def test_cache_root_follows_env(monkeypatch, tmp_path):
     monkeypatch.setenv("ZLM_EXT_CACHE", str(tmp_path / "a"))
     assert cpu_ext.cache_root() == tmp_path / "a"

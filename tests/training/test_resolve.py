@@ -10,7 +10,7 @@ from conftest import train_run
 from zlm.core.config import TrainConfig
 from zlm.core.metrics import read_metrics
 from zlm.data.dataset import Dataset
-from zlm.model.cells import choose_cell
+from zlm.model.cells import choose_cell, cpu_ext
 from zlm.model.lm import ModelConfig
 from zlm.training import resolve
 
@@ -60,3 +60,5 @@ def test_auto_runs_torchs_lstm_kernel_without_zoneout(tiny_data, tmp_path):
     assert config["resolved"]["cell"] == "plain" and config["resolved"]["kernel"] == "plain"
     start = [e for e in read_metrics(tmp_path / "run" / "metrics.jsonl") if e["event"] == "start"][0]
     assert start["cell"] == "plain"
+    # The log names the machine its speed was measured on (CPU model and threads).
+    assert start["machine"] == f"{cpu_ext.cpu_name()}, {torch.get_num_threads()} threads"

@@ -21,7 +21,7 @@ import torch
 
 from zlm.core.config import DEVICES, PRECISIONS  # noqa: F401 (re-exported)
 from zlm.errors import UsageError
-from zlm.model.cells.cpu_ext import cpu_flags
+from zlm.model.cells.cpu_ext import cpu_flags, cpu_name
 
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -104,6 +104,14 @@ def resolve_device(device: str = "auto", local_rank: int = 0) -> torch.device:
     if device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda but no CUDA device is available; pass --device cpu")
     return torch.device(device, local_rank) if device == "cuda" else torch.device("cpu")
+
+
+def machine_name(device: torch.device) -> str:
+    """What a run's speed depends on, for its log: the GPU's name on CUDA, else the CPU's
+    model name and the threads torch uses ("Intel(R) Xeon(R) Processor, 2 threads")."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{cpu_name()}, {torch.get_num_threads()} threads"
 
 
 def resolve_runtime(device: str = "auto", precision: str = "auto", local_rank: int = 0) -> Runtime:

@@ -14,13 +14,14 @@ import torch
 
 from zlm.core.precision import resolve_runtime
 from zlm.model.cells import choose_cell
+from zlm.model.cells.cpu_ext import cpu_name
 from zlm.version import __version__
 
 
 def _device_line(device: torch.device) -> str:
     if device.type != "cuda":
         why = "no CUDA device" if torch.version.cuda else "CPU-only torch build"
-        return f"cpu ({torch.get_num_threads()} threads; {why})"
+        return f"cpu: {cpu_name()} ({torch.get_num_threads()} threads; {why})"
     i = device.index or 0
     p = torch.cuda.get_device_properties(i)
     return (f"cuda:{i} {p.name} (compute {p.major}.{p.minor}, {p.total_memory / 2**30:.0f} GiB; "

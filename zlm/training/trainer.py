@@ -27,7 +27,7 @@ from zlm.core import checkpoint as ckpt
 from zlm.core.config import TrainConfig
 from zlm.core.eval_protocol import EvalProtocol, evaluate_tokens
 from zlm.core.metrics import LN2
-from zlm.core.precision import Runtime, resolve_device
+from zlm.core.precision import Runtime, machine_name, resolve_device
 from zlm.core.reporter import Reporter
 from zlm.data.dataset import Dataset
 from zlm.data.streams import Batch, make_streams
@@ -314,7 +314,8 @@ class Trainer:
         })
         if self.par.is_main:
             self.log.write("start", parameters=self.model.num_parameters(), cell=self.cell.name,
-                           runtime=self.runtime.describe(), cuda_graphs=self.use_graphs,
+                           runtime=self.runtime.describe(), machine=machine_name(self.runtime.device),
+                           cuda_graphs=self.use_graphs,
                            world_size=self.par.world, step=self.state.step,
                            resumed_from=str(self.resumed_from) if self.resumed_from else None)
 

@@ -34,6 +34,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import platform
 import re
 import shutil
 import time
@@ -58,14 +59,28 @@ _ISA_FLAGS = {
 _state: dict = {}  # "module" or "reason" once tried (one attempt per process)
 
 
+CPUINFO = Path("/proc/cpuinfo")
+
+
+def _cpuinfo(field: str) -> str | None:
+    """The first value of `field` in CPUINFO (None where there is none)."""
+    try:
+        text = CPUINFO.read_text()
+    except OSError:
+        return None
+    m = re.search(rf"^{field}\s*:\s*(.*)$", text, re.MULTILINE)
+    return m.group(1).strip() if m else None
+
+
 def cpu_flags() -> set[str]:
     """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    m = re.search(r"^flags\s*:\s*(.*)$", text, re.MULTILINE)
-    return set(m.group(1).split()) if m else set()
+    return set((_cpuinfo("flags") or "").split())
+
+
+def cpu_name() -> str:
+    """The CPU's model name ("AMD EPYC 9454 48-Core Processor"), or the architecture where
+    /proc/cpuinfo does not say."""
+    return _cpuinfo("model name") or platform.processor() or platform.machine() or "unknown CPU"
 
 
 def instruction_set(flags: set[str] | None = None) -> str:
