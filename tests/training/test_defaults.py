@@ -141,6 +141,16 @@ def test_parameter_count_is_the_models():
         assert defaults.parameters(v, h, e, layers) == model.num_parameters()
 
 
+def test_under_an_explicit_bptt_the_line_gives_the_regime_only_the_lr():
+    """With --bptt the regime chooses no window, and the start line does not claim one."""
+    for epochs, words in ((20, "the regularised regime's lr ->"), (2, "the data-rich regime's lr ->"),
+                          (5.7, "lr 51% of the way from the data-rich regime's to the regularised one's ->")):
+        rule = decide(RunLength(1_000_000, epochs=epochs, bptt=50, bptt_given=True, tokens_per_step=1600))
+        assert rule.settings.bptt is None and words in rule.line, rule.line
+        assert "window" not in rule.line and "bptt" not in rule.line
+        assert "window and lr" in decide(RunLength(1_000_000, epochs=epochs)).line
+
+
 def test_epochs_and_steps_need_no_speed_and_the_nearest_limit_counts():
     assert decide(RunLength(1_000_000, epochs=8)).regime == "regularised"
     assert decide(RunLength(1_000_000, epochs=6)).regime == "between"

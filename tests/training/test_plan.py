@@ -3,8 +3,8 @@
 tests/fixtures/plans.json holds the configs and the defaults rule's decision that
 `zlm train` planned for seven sources and option sets (the speed probe fixed at 14,000
 tokens/s), first recorded with the code before `plan` existed and re-recorded on purpose
-when the rule changed (its zoneout ramp, weight averaging, overfitting guard and the
-window ramp's ends); the same
+when the rule changed (its zoneout ramp, weight averaging, overfitting guard, the
+window ramp's ends, and its start line under --bptt); the same
 inputs must plan the same run.
 """
 

@@ -288,7 +288,7 @@ def _line(regime: str, epochs: float, tokens_per_s: float | None, probe_hidden: 
     k = zoneout_strength(epochs)
     why = (f"{epochs:.1f} epochs expected{speed}: zoneout at {k:.0%} of full strength"
            + (" (none: the faster plain LSTM)" if k == 0 else "")
-           + f", {_regime_words(regime, epochs)}")
+           + f", {_regime_words(regime, epochs, 'window and lr' if s.bptt is not None else 'lr')}")
     return (f"{why} -> {s.layers}x{size}, z_c {s.zoneout_cell:g}, z_h {s.zoneout_hidden:g}, "
             f"reset-prob {s.reset_prob:g}, lr {s.lr:g} {s.schedule} over the run, "
             + (f"bptt {s.bptt}, " if s.bptt is not None else "")
@@ -296,10 +296,11 @@ def _line(regime: str, epochs: float, tokens_per_s: float | None, probe_hidden: 
             + (", cool down and stop once it overfits" if s.on_overfit == "cool-down" else ""))
 
 
-def _regime_words(regime: str, epochs: float) -> str:
+def _regime_words(regime: str, epochs: float, what: str) -> str:
+    """What the regime gives the run: its window and lr, or only its lr under --bptt."""
     if regime != "between":
-        return f"the {regime} regime's window and lr"
-    return f"window and lr {window_share(epochs):.0%} of the way from the data-rich regime's to the regularised one's"
+        return f"the {regime} regime's {what}"
+    return f"{what} {window_share(epochs):.0%} of the way from the data-rich regime's to the regularised one's"
 
 
 def needs_probe(length: RunLength) -> bool:
