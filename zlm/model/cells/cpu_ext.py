@@ -78,7 +78,7 @@ def cpu_flags() -> set[str]:
 
 
 def cpu_name() -> str:
-    """The CPU's model name ("AMD EPYC 9454 48-Core Processor"), or the architecture where
+    """The CPU's model name ("Intel(R) Xeon(R) Processor"), or the architecture where
     /proc/cpuinfo does not say."""
     return _cpuinfo("model name") or platform.processor() or platform.machine() or "unknown CPU"
 
