@@ -17,6 +17,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from zlm.atomic import temporary_name, temporary_of
 from zlm.data.dataset import SPLITS, Dataset
 from zlm.data.prepare import PrepareConfig, prepare
 from zlm.errors import DataError
@@ -256,6 +257,27 @@ def _stopped_mid_write(child: subprocess.Popen, out: pathlib.Path) -> bool:
             return len(tmp) == 1 and not (tmp[0] / "dataset.json").exists()
         time.sleep(0.001)
     return False
+
+
+def test_a_whole_temporary_left_by_a_kill_before_the_rename_is_refused(tmp_path):
+    """A kill between prepare's last write and its rename leaves a complete directory under
+    the hidden temporary name: still not a DATA_DIR (the rename is the commit), so opening it
+    is a one-line DataError that names the target; the target itself opens as usual."""
+    src = tmp_path / "small.txt"
+    src.write_text("hello world\n" * 500, encoding="utf-8")
+    done = prepare(src, tmp_path / "data", PrepareConfig()).path
+    for kind in ("tmp", "old"):
+        left = temporary_name(done, kind)
+        shutil.copytree(done, left)
+        assert temporary_of(left) == "data"
+        with pytest.raises(DataError) as e:
+            Dataset.open(left)
+        assert "\n" not in str(e.value) and "interrupted zlm prepare" in str(e.value)
+        assert str(done) in str(e.value)
+    assert temporary_of(done) is None and Dataset.open(done).vocab_size > 0
+    # Names that only look alike are ordinary directories.
+    for name in (".data.tmp-12", "data.tmp-1-0123abcd", ".data.tmp-1-0123ABCD", ".data.tmp-x-0123abcd"):
+        assert temporary_of(tmp_path / name) is None
 
 
 def test_sigkill_midway_never_leaves_an_accepted_incomplete_data_dir(tmp_path):

@@ -23,6 +23,7 @@ import shutil
 
 import numpy as np
 
+from zlm.atomic import temporary_of
 from zlm.data.tokenizers import Tokenizer, load_tokenizer
 from zlm.errors import DataError
 
@@ -63,6 +64,10 @@ class Dataset:
         meta_path = path / "dataset.json"
         if not path.is_dir():
             raise DataError(f"{path} is not a directory; pass a DATA_DIR made by zlm prepare")
+        target = temporary_of(path)
+        if target is not None:
+            raise DataError(f"{path} is a temporary left by an interrupted zlm prepare, not a DATA_DIR; "
+                            f"delete it and pass {path.with_name(target)} or prepare again")
         if not meta_path.is_file():
             raise DataError(f"{path} has no dataset.json: not a prepared DATA_DIR (or an "
                             "interrupted one); run zlm prepare SOURCE --out DATA_DIR")

@@ -25,7 +25,6 @@ import contextlib
 import json
 import logging
 import os
-import secrets
 import shutil
 import warnings
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from zlm.atomic import replace_directory
+from zlm.atomic import replace_directory, temporary_name
 from zlm.data.tokenizers import context_ids
 from zlm.errors import UsageError, ZlmError
 from zlm.inference.load import load_model
@@ -163,7 +162,7 @@ def export_run(path, config: ExportConfig) -> ExportResult:
     check_target(out, config.force)
     lm = load_model(path, "cpu", "fp32", "reference")  # the readable cell traces cleanly
     step = SingleStep(lm.model)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    tmp = temporary_name(out)
     try:
         tmp.mkdir()
         model_file = tmp / FORMATS[config.format]
