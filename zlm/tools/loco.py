@@ -115,6 +115,11 @@ def candidates() -> list[Constants]:
     return [Constants(s, f, c) for s, f, c in itertools.product(*CANDIDATES.values()) if s < f]
 
 
+def window_candidates() -> list[WindowConstants]:
+    """Every combination of WINDOW_CANDIDATES with start < full."""
+    return [WindowConstants(s, f) for s, f in itertools.product(*WINDOW_CANDIDATES.values()) if s < f]
+
+
 def interpolate(valid: dict[float, float], z: float) -> float:
     """Valid BPC at z_c `z`: linear between the two grid points around it (the nearest end
     outside the grid)."""
@@ -129,6 +134,19 @@ def interpolate(valid: dict[float, float], z: float) -> float:
     return valid[a] + t * (valid[b] - valid[a])
 
 
+def _lowest_excess(rows: list, exclude: str | None, what: str, scored: list[tuple]) -> tuple:
+    """The shared part of `fit` and `fit_window`. `scored` holds (tie-breaking key, constants,
+    predict) for each candidate, predict(row) its valid BPC on a row: -> the constants whose
+    mean excess over `rows` but `exclude` is lowest (then the lowest key), and that mean. A
+    row's excess is its predicted valid BPC over the best it measured, less 1."""
+    pool = [r for r in rows if r.corpus != exclude]
+    if not pool:
+        raise ZlmError(f"leave-one-corpus-out needs at least 2 corpora; the {what} has {len(rows)}")
+    best = min((round(statistics.fmean(predict(r) / min(r.valid.values()) - 1.0 for r in pool), 9), key, c)
+               for key, c, predict in scored)
+    return best[2], best[0]
+
+
 def fit(rows: list[GridRow], exclude: str | None = None) -> tuple[Constants, float]:
     """The candidate with the lowest mean excess over `rows` but `exclude`, and that mean.
 
@@ -136,35 +154,17 @@ def fit(rows: list[GridRow], exclude: str | None = None) -> tuple[Constants, flo
     share, so every corpus weighs the same whatever its scale (a text of Chinese characters
     has about 4 times the bits per character of English; in plain BPC it would outweigh
     four English corpora). Ties go to less regularisation (smaller cell, later start and full)."""
-    pool = [r for r in rows if r.corpus != exclude]
-    if not pool:
-        raise ZlmError(f"leave-one-corpus-out needs at least 2 corpora; the grid has {len(rows)}")
-
-    def score(c: Constants) -> float:
-        return statistics.fmean(interpolate(r.valid, c.zoneout_cell(r.epochs)) / min(r.valid.values()) - 1.0
-                                for r in pool)
-
-    scored = [(round(score(c), 9), c.cell, -c.start, -c.full, c) for c in candidates()]
-    best = min(scored, key=lambda t: t[:4])
-    return best[4], best[0]
+    return _lowest_excess(rows, exclude, "grid", [
+        ((c.cell, -c.start, -c.full), c, lambda r, c=c: interpolate(r.valid, c.zoneout_cell(r.epochs)))
+        for c in candidates()])
 
 
 def fit_window(rows: list[WindowRow], exclude: str | None = None) -> tuple[WindowConstants, float]:
     """The window ramp with the lowest mean excess over `rows` but `exclude`, and that mean:
     as `fit`, each corpus's predicted valid BPC over the better of its two ends, less 1. Ties
     go to the data-rich window (the later start and full)."""
-    pool = [r for r in rows if r.corpus != exclude]
-    if not pool:
-        raise ZlmError(f"leave-one-corpus-out needs at least 2 corpora; the window grid has {len(rows)}")
-
-    def score(c: WindowConstants) -> float:
-        return statistics.fmean(r.at(c.share(r.epochs)) / min(r.valid.values()) - 1.0 for r in pool)
-
-    scored = [(round(score(c), 9), -c.start, -c.full, c)
-              for c in (WindowConstants(a, b) for a, b in itertools.product(*WINDOW_CANDIDATES.values()))
-              if c.start < c.full]
-    best = min(scored, key=lambda t: t[:3])
-    return best[3], best[0]
+    return _lowest_excess(rows, exclude, "window grid", [
+        ((-c.start, -c.full), c, lambda r, c=c: r.at(c.share(r.epochs))) for c in window_candidates()])
 
 
 def window_zoneout(epochs: float) -> float:
