@@ -44,6 +44,12 @@ def _bpc(x) -> str:
     return "n/a" if x is None else f"{x:.4f}"
 
 
+def _sampled(train: dict) -> str:
+    """How a run validated: on a sample of the valid split (--eval-tokens), or all of it."""
+    n = train.get("eval_tokens") or 0
+    return f" (on a {n:,}-token sample of the valid split; zlm eval scores all of it)" if n else ""
+
+
 def _rows(info: dict) -> list[tuple[str, str]]:
     m, tok = info["model"], info["tokenizer"]
     rows = [
@@ -53,7 +59,7 @@ def _rows(info: dict) -> list[tuple[str, str]]:
         ("parameters", f"{info['parameters']:,} ({', '.join(info['dtypes'])})"),
         ("tokenizer", f"{tok['kind']}, vocabulary {tok['vocab_size']}"),
         ("step", str(info["step"])),
-        ("best valid BPC", _bpc(info["best_valid_bpc"])),
+        ("best valid BPC", _bpc(info["best_valid_bpc"]) + _sampled(info["train"])),
     ]
     if info.get("train_slice_bpc") is not None and info.get("valid_bpc") is not None:
         rows.append(("generalisation gap", f"{info['valid_bpc'] - info['train_slice_bpc']:+.4f} BPC (valid "

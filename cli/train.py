@@ -19,7 +19,9 @@ from zlm.cli.render import handle_errors
 from zlm.core.config import Options, parse_duration
 from zlm.training.defaults import (
     AVERAGE_SHARE,
+    EVAL_TOKEN_SHARE,
     EVALS_PER_RUN,
+    MIN_EVAL_TOKENS,
     ON_OVERFIT,
     PASSES_PER_EVAL,
     REGIMES,
@@ -53,6 +55,9 @@ def _default(name: str) -> str:
     elif name == "eval_every":
         every = "per pass" if PASSES_PER_EVAL == 1 else f"every {PASSES_PER_EVAL:g} passes"
         rule = f"about {EVALS_PER_RUN} validations per run, at least one {every} over the train split"
+    elif name == "eval_tokens":
+        rule = (f"all of it, unless the validations would score more than {EVAL_TOKEN_SHARE:.2g} of the tokens "
+                f"the run trains on: then that share, {MIN_EVAL_TOKENS:,} tokens at least")
     elif name in ("zoneout_cell", "zoneout_hidden"):
         full = ZONEOUT_CELL if name == "zoneout_cell" else ZONEOUT_HIDDEN
         rule = (f"0 up to {ZONEOUT_FROM:g} expected passes, rising with log passes to {full:g} "
@@ -111,6 +116,7 @@ def command(
     time_budget: Annotated[str | None, _opt("Stop after this much training time, e.g. 10m.", H_TRAIN,
                                             default="none: with no limit at all the run trains until interrupted")] = None,
     eval_every: Annotated[int | None, _opt("Validate and checkpoint every N steps.", H_TRAIN, "eval_every")] = None,
+    eval_tokens: Annotated[int | None, _opt("Validate on N tokens of the valid split (0: all).", H_TRAIN, "eval_tokens")] = None,
     state: Annotated[str | None, _opt("carry (TBPTT streams) | reset (paper's shuffled chunks).", H_TRAIN,
                                       "state")] = None,
     reset_prob: Annotated[float | None, _opt("carry: chance that a stream's state is zeroed before a window "
@@ -151,9 +157,9 @@ def command(
         dropout=dropout, cell=cell, batch_size=batch_size, bptt=bptt, lr=lr, optimizer=optimizer,
         weight_decay=weight_decay, clip=clip, schedule=schedule, warmup=warmup, epochs=epochs,
         max_steps=max_steps, time_budget=parse_duration(time_budget) if time_budget is not None else None,
-        eval_every=eval_every, state=state, reset_prob=reset_prob, average=average, on_overfit=on_overfit, seed=seed, device=device,
-        precision=precision, cuda_graphs=cuda_graphs, keep_last=keep_last, log_every=log_every,
-        zero=zero or None)
+        eval_every=eval_every, eval_tokens=eval_tokens, state=state, reset_prob=reset_prob, average=average,
+        on_overfit=on_overfit, seed=seed, device=device, precision=precision, cuda_graphs=cuda_graphs,
+        keep_last=keep_last, log_every=log_every, zero=zero or None)
     _train(source, options, out=out, preset=preset, resume=resume, mirror=mirror, unknown=unknown,
            nproc=nproc, sample=sample, init_from=init_from)
 

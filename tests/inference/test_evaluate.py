@@ -16,10 +16,10 @@ from typer.testing import CliRunner
 from conftest import shakespeare_text, train_run, write_char_dataset
 from zlm.cli import app
 from zlm.core.config import TrainConfig
-from zlm.core.eval_protocol import COLD_START_BITS, EvalProtocol, evaluate_predictions
+from zlm.core.eval_protocol import COLD_START_BITS, EvalProtocol, evaluate_predictions, evaluate_tokens
 from zlm.core.precision import resolve_runtime
 from zlm.data.dataset import Dataset
-from zlm.errors import DataError
+from zlm.errors import DataError, UsageError
 from zlm.inference.language_model import load
 from zlm.model.lm import ModelConfig, ZoneoutLM
 
@@ -129,6 +129,35 @@ def test_every_prediction_is_counted_once(n, streams):
         ref, _ = evaluate_predictions(model, tokens, rt, EvalProtocol(1, bptt=n))
         one, _ = evaluate_predictions(model, tokens, rt, EvalProtocol(1, bptt=3))
         assert one == pytest.approx(ref, rel=1e-6)
+
+
+def test_a_sample_scores_the_same_pieces_of_each_stream_and_their_share_of_the_characters(run):
+    # --eval-tokens: S streams start where they would for the whole split and score only
+    # their first sample // S predictions, each from a zero state: the slow loop on each
+    # piece, added up (the float rounding the whole-split check allows).
+    tokens = Dataset.open(run.parent / "data").tokens("valid")
+    n, S, sample = len(tokens) - 1, 4, 401
+    L, per = n // S, 401 // 4
+    lm = load(run)
+    model, rt = lm.model, lm.runtime
+    nats, count = evaluate_predictions(model, tokens, rt, EvalProtocol(S, sample=sample))
+    assert count == S * per == 400
+    pieces = [float(slow_nats(run, tokens[s * L:s * L + per + 1]).sum()) for s in range(S)]
+    assert nats == pytest.approx(sum(pieces), rel=1e-6)
+    # Characters: the split's per prediction (a char model: one each); the whole split
+    # when the sample covers it.
+    data = Dataset.open(run.parent / "data")
+    info = data.split_info("valid")
+    score = evaluate_tokens(model, tokens, data.tokenizer, info.characters, info.bytes, rt, EvalProtocol(S, sample=sample))
+    assert (score.tokens, score.characters) == (400, 400)
+    whole = evaluate_tokens(model, tokens, data.tokenizer, info.characters, info.bytes, rt, EvalProtocol(S))
+    for covering in (n, n + 5):
+        again = evaluate_tokens(model, tokens, data.tokenizer, info.characters, info.bytes, rt,
+                                EvalProtocol(S, sample=covering))
+        assert (again.nats, again.tokens, again.characters, again.bytes) == (
+            whole.nats, whole.tokens, whole.characters, whole.bytes)
+    with pytest.raises(UsageError, match="--eval-tokens must be >= 0"):
+        EvalProtocol(S, sample=-1)
 
 
 def test_char_byte_and_bpe_models_are_scored_over_the_same_characters(tmp_path):

@@ -4,6 +4,7 @@ run length and speed; explicit options win; decided once and read back on --resu
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from typer.testing import CliRunner
@@ -268,6 +269,51 @@ def test_validation_comes_at_least_once_a_pass_and_without_a_step():
         assert b - a <= 0.01 * a + 10
     assert defaults.eval_interval(100.0, 40.0) == defaults.MIN_EVAL_EVERY
     assert all(defaults.eval_interval(e, per_pass) <= per_pass * defaults.PASSES_PER_EVAL for e in (6, 7, 50))
+
+
+def test_a_run_shorter_than_a_pass_validates_on_a_sample_of_the_valid_split():
+    # zlm's 90/5/5 split: the valid split is an eighteenth of the train split. Six
+    # validations of all of it score a third of the train split, more than a run of under
+    # a pass trains on; EVAL_TOKEN_SHARE of its tokens is then spread over its validations.
+    train = 20_000_000
+    valid = train // 18
+
+    def planned(passes: float):
+        speed = passes * train / (TEN_MINUTES * (1 - defaults.VALIDATION_SHARE))
+        rule = decide(RunLength(train, TEN_MINUTES, tokens_per_step=800, vocab_size=65, bptt=25,
+                                valid_tokens=valid), speed, hidden=512)
+        return rule, rule.settings.eval_tokens
+    samples = {}
+    for passes in (0.01, 0.1, 0.3, 0.6, 0.9, 0.98, 1.02, 1.5, 3.0, 20.0):
+        rule, sample = planned(passes)
+        samples[passes] = sample or valid
+        if passes >= 1.02:  # from about one pass on, the whole split (all the benchmark's runs)
+            assert sample is None and "spread over the valid split" not in rule.line
+            continue
+        assert sample >= defaults.MIN_EVAL_TOKENS and sample < valid
+        assert f"on {sample:,} tokens spread over the valid split" in rule.line
+        run_tokens = rule.expected_epochs * train
+        validations = math.ceil(run_tokens / (rule.settings.eval_every * 32 * rule.settings.bptt))
+        share = validations * sample / run_tokens
+        assert share <= defaults.EVAL_TOKEN_SHARE + 1000 * validations / run_tokens or sample == defaults.MIN_EVAL_TOKENS
+    assert samples[0.01] == defaults.MIN_EVAL_TOKENS
+    ordered = [samples[p] for p in sorted(samples)]
+    assert ordered == sorted(ordered)  # more passes, never a smaller sample
+    # No cliff: the sample reaches the whole split as the passes reach one.
+    assert samples[0.98] >= 0.95 * valid
+    # The pure function: nothing to sample from an unknown or small split.
+    assert defaults.eval_sample(1e6, 10_000, 0) == 0
+    assert defaults.eval_sample(1e6, 10_000, 40_000) == 0  # under MIN_EVAL_TOKENS: all of it
+    assert defaults.eval_sample(6e6, 1e6, 10**7) == 334_000  # a third over six, up to thousands
+
+
+def test_eval_tokens_is_an_option_and_bad_values_are_one_line(tmp_path):
+    src = tmp_path / "t.txt"
+    src.write_text(shakespeare_text(20_000), encoding="utf-8")
+    r = runner.invoke(app, ["train", str(src), "--out", str(tmp_path / "r"), "--eval-tokens", "-1",
+                            "--max-steps", "2", *TINY])
+    assert r.exit_code == 2
+    assert r.output.strip().splitlines()[-1] == "error: --eval-tokens must be >= 0 (0: the whole valid split), got -1"
 
 
 TINY = ["--hidden", "16", "--embed", "8", "--batch-size", "4", "--bptt", "20", "--log-every", "100"]

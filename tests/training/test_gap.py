@@ -16,7 +16,7 @@ from zlm.data.dataset import Dataset
 from zlm.inference.load import load_model
 from zlm.training.plan import plan
 from zlm.training.runner import run
-from zlm.training.trainer import GAP_TOKENS
+from zlm.training.trainer import GAP_TOKENS, describe_plan
 
 
 def test_the_gap_is_valid_minus_a_fixed_train_slice_in_eval_mode(tmp_path):
@@ -52,3 +52,32 @@ def test_the_plain_display_prints_the_gap(capsys):
     PlainReporter().eval({"step": 5, "valid_bpc": 2.5, "valid_ppl": 5.6, "best_bpc": 2.5,
                           "train_slice_bpc": 2.25, "gap": 0.25})
     assert "gap +0.2500 (valid - train slice 2.2500)" in capsys.readouterr().out
+
+
+def test_with_eval_tokens_validation_and_the_train_slice_score_a_sample(tmp_path):
+    # --eval-tokens: each validation scores the same sample of the valid split (its streams'
+    # first pieces), best/ and the gap follow it, and the train slice is at most half of it.
+    src = tmp_path / "t.txt"
+    src.write_text(shakespeare_text(40_000), encoding="utf-8")
+    options = Options(hidden=32, embed=8, batch_size=4, bptt=16, max_steps=12, eval_every=6, eval_streams=2,
+                      eval_tokens=300, device="cpu", precision="fp32", log_every=3)
+    planned = plan(src, options, out=tmp_path / "run", preset="cpu-small")
+    run(planned)
+    evals = [e for e in read_metrics(tmp_path / "run" / "metrics.jsonl") if e["event"] == "eval"]
+    assert [(e["step"], e["tokens"], e["characters"]) for e in evals] == [(6, 300, 300), (12, 300, 300)]
+    data = Dataset.open(planned.spec.data.path)
+    valid = data.split_info("valid")
+    assert valid.tokens > 1000  # a sample, not the whole split
+    assert f"validation on 300 of the valid split's {valid.tokens:,} tokens" in describe_plan(
+        planned.spec.train, 12, 100, valid.tokens)
+    lm = load_model(tmp_path / "run" / "checkpoints" / "step-00000012", device="cpu")
+    again = evaluate_tokens(lm.model, data.tokens("valid"), data.tokenizer, valid.characters, valid.bytes,
+                            lm.runtime, EvalProtocol(2, sample=300))
+    assert abs(again.bpc - evals[-1]["valid_bpc"]) < 1e-5
+    n = 150  # the train slice: half the sample
+    info = data.split_info("train")
+    slice_bpc = evaluate_tokens(lm.model, data.tokens("train")[:n], data.tokenizer, n, n, lm.runtime,
+                                EvalProtocol(2)).bpc
+    assert info.characters == info.tokens and abs(slice_bpc - evals[-1]["train_slice_bpc"]) < 1e-5
+    r = CliRunner().invoke(app, ["info", str(tmp_path / "run")])
+    assert r.exit_code == 0 and "(on a 300-token sample of the valid split; zlm eval scores all of it)" in r.output

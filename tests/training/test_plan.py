@@ -1,11 +1,12 @@
 """The one path from options to a run: `plan` -> RunSpec -> config.json -> `read_spec`.
 
 tests/fixtures/plans.json holds the configs and the defaults rule's decision that
-`zlm train` planned for seven sources and option sets (the speed probe fixed at 14,000
+`zlm train` planned for eight sources and option sets (the speed probe fixed at 14,000
 tokens/s), first recorded with the code before `plan` existed and re-recorded on purpose
 when the rule changed (its zoneout ramp, weight averaging, overfitting guard, the
-window ramp's ends, and its start line under --bptt); the same
-inputs must plan the same run.
+window ramp's ends, its start line under --bptt, and the validation sample of a run under
+one pass: the field eval_tokens, 0 in the plans it leaves alone); the same inputs must plan
+the same run.
 """
 
 from __future__ import annotations

@@ -60,6 +60,7 @@ class TrainConfig:
     time_budget: float | None = None  # stop after this many seconds of training (total)
     eval_every: int = 500  # validate (and checkpoint) every N steps, and at the end
     eval_streams: int = 16  # parallel streams for validation (EvalProtocol)
+    eval_tokens: int = 0  # validation scores a sample of this many valid tokens spread over the split (0: all)
     state: str = "carry"  # carry: TBPTT streams, state carried | reset: paper's shuffled chunks
     reset_prob: float = 0.0  # carry: chance a stream's state is zeroed before a window
     average: float = 0.0  # the last share of a run whose weights are averaged (0: off); needs a run length
@@ -86,6 +87,8 @@ class TrainConfig:
                              f"10 x lr, must fit in float32), got {self.lr}")
         if self.clip < 0:
             raise UsageError(f"--clip must be >= 0 (0 turns clipping off), got {self.clip}")
+        if self.eval_tokens < 0:
+            raise UsageError(f"--eval-tokens must be >= 0 (0: the whole valid split), got {self.eval_tokens}")
         if not 0.0 <= self.reset_prob < 1.0:
             raise UsageError(f"--reset-prob must be in [0, 1), got {self.reset_prob}")
         if not 0.0 <= self.average < 1.0:
@@ -147,6 +150,7 @@ class Options:
     time_budget: float | None = None  # seconds
     eval_every: int | None = None
     eval_streams: int | None = None
+    eval_tokens: int | None = None
     state: str | None = None
     reset_prob: float | None = None
     average: float | None = None

@@ -20,6 +20,13 @@ leans on longer context and pays more per cold start, so the documented bound
 (`cold_start_bound`, checked by tests/inference/test_evaluate.py) is 50 bits per extra
 stream: S = 16 on a 300k-character split costs at most 0.0025 BPC. For the exact
 single-stream number pass --batch-size 1.
+
+A sample (`EvalProtocol.sample`, training's `--eval-tokens`) scores fewer predictions with
+the same streams: each of the S streams starts where it would for the whole text and
+scores only the first sample // S predictions of its stretch (no tail), so the sample is S
+pieces spread evenly over the text, the same pieces every time. Its characters and bytes
+are the text's per prediction times its predictions (exact for the char tokenizer).
+
 Under DDP the streams are divided among ranks and the sums are all-reduced, so the
 result does not depend on the world size.
 
@@ -57,12 +64,15 @@ class EvalProtocol:
 
     streams: int = 16  # parallel streams S (fewer if the text is short); --batch-size
     bptt: int = 256  # window length; the state is carried across windows; --bptt
+    sample: int = 0  # score at most this many predictions, spread over the text (0: all); --eval-tokens
 
     def __post_init__(self):
         if self.streams < 1:
             raise UsageError(f"--batch-size (parallel streams) must be >= 1, got {self.streams}")
         if self.bptt < 1:
             raise UsageError(f"--bptt must be >= 1, got {self.bptt}")
+        if self.sample < 0:
+            raise UsageError(f"--eval-tokens must be >= 0 (0: the whole split), got {self.sample}")
 
     def describe(self, n_predictions: int, context: str = "") -> str:
         S = self.streams_for(n_predictions)
@@ -73,6 +83,13 @@ class EvalProtocol:
 
     def streams_for(self, n_predictions: int) -> int:
         return max(1, min(self.streams, n_predictions))
+
+    def per_stream(self, n_predictions: int) -> int:
+        """Predictions each stream scores: its whole stretch L = n // S, or its first
+        sample // S when the sample is smaller than the text (at least one)."""
+        S = self.streams_for(n_predictions)
+        L = n_predictions // S
+        return L if not self.sample or self.sample >= n_predictions else max(1, min(L, self.sample // S))
 
 
 def _windows(tokens: np.ndarray, starts: np.ndarray, length: int, bptt: int, dev):
@@ -122,7 +139,8 @@ def evaluate_predictions(
     world: int = 1,
     graphs: bool | None = None,
 ) -> tuple[float, int]:
-    """Summed NLL in nats over this rank's share of the N-1 predictions, and their count.
+    """Summed NLL in nats over this rank's share of the N-1 predictions (of the protocol's
+    sample of them), and their count.
 
     tokens: (N,) any integer dtype; a memory map is read window by window. graphs: replay
     the windows from CUDA graphs (`WindowStep`); None: on CUDA.
@@ -133,15 +151,16 @@ def evaluate_predictions(
     if n < 1:
         return 0.0, 0
     S = protocol.streams_for(n)
-    L = n // S
+    L = n // S  # each stream's stretch
+    scored = protocol.per_stream(n)  # L, or the sample's share of it
     mine = np.array_split(np.arange(S), world)[rank]  # this rank's stream indices
     dev = runtime.device
     step = _window_step(model, runtime, dev.type == "cuda" if graphs is None else graphs)
     nats, count, state = 0.0, 0, None
     if len(mine):
-        nats, state = _run(_windows(tokens, mine * L, L, protocol.bptt, dev), None, step, model, dev)
-        count = L * len(mine)
-    tail = n - S * L
+        nats, state = _run(_windows(tokens, mine * L, scored, protocol.bptt, dev), None, step, model, dev)
+        count = scored * len(mine)
+    tail = n - S * L if scored == L else 0
     if tail and len(mine) and mine[-1] == S - 1:  # continue the last stream to the end
         last = (state[0][:, -1:].contiguous(), state[1][:, -1:].contiguous())
         rest = _windows(tokens, np.array([S * L]), tail, protocol.bptt, dev)
@@ -154,18 +173,20 @@ def evaluate_predictions(
 
 def evaluate_tokens(model, tokens, tokenizer, characters: int, n_bytes: int, runtime: Runtime,
                 protocol: EvalProtocol = EvalProtocol(), reduce=None, rank=0, world=1) -> Score:
-    """Score a whole split. characters/n_bytes: of the split's original text.
+    """Score a whole split, or the protocol's sample of it. characters/n_bytes: of the
+    split's original text.
 
     The first token is context only, so the characters (and bytes) it covers are not
-    predicted and not counted. `reduce(list_of_floats) -> list` sums across ranks.
+    predicted and not counted; a sample counts the predicted ones' share of them.
+    `reduce(list_of_floats) -> list` sums across ranks.
     """
     nats, count = evaluate_predictions(model, tokens, runtime, protocol, rank, world)
     if reduce is not None:
         nats, count = reduce([nats, float(count)])
     first = tokenizer.decode([int(tokens[0])]) if len(tokens) else ""
-    return Score(
-        nats=float(nats),
-        tokens=int(count),
-        characters=max(characters - len(first), 0),
-        bytes=max(n_bytes - len(first.encode("utf-8", "replace")), 0),
-    )
+    characters = max(characters - len(first), 0)
+    n_bytes = max(n_bytes - len(first.encode("utf-8", "replace")), 0)
+    predictions = len(tokens) - 1
+    if 0 < count < predictions:  # a sample
+        characters, n_bytes = round(characters * count / predictions), round(n_bytes * count / predictions)
+    return Score(nats=float(nats), tokens=int(count), characters=characters, bytes=n_bytes)

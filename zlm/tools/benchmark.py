@@ -73,7 +73,7 @@ BASELINE_TRAIN = dict(batch_size=32, bptt=100, lr=2e-3, optimizer="adam", weight
                       reset_prob=0.0)
 BASELINE = Preset("plain-baseline", "the corpora benchmark's plain LSTM",
                   ModelConfig(**BASELINE_MODEL), TrainConfig(**BASELINE_TRAIN))
-SHARED_TRAIN = ("eval_every", "eval_streams", "device", "precision", "cell", "cuda_graphs",
+SHARED_TRAIN = ("eval_every", "eval_streams", "eval_tokens", "device", "precision", "cell", "cuda_graphs",
                 "keep_last", "log_every", "max_nonfinite")  # the baseline takes the defaults'
 # What --record keeps of a finished run: enough for the tables (`score_run`, `read_run`) and
 # its spec, not its checkpoints; and RECORD_LOG, its metrics.jsonl gzipped without the

@@ -32,7 +32,10 @@ run keeps the fused cell (zoneout 0) unless cuDNN measured faster.
 
 With a length, validation runs about EVALS_PER_RUN times, and at least every
 PASSES_PER_EVAL passes over the train split (--eval-every): a run of many passes that
-overfits after two keeps a checkpoint from before it does. Explicit
+overfits after two keeps a checkpoint from before it does. All its validations together
+score at most EVAL_TOKEN_SHARE of the tokens the run trains on: a run shorter than about a
+pass over a large corpus validates on a sample of the valid split (--eval-tokens, at least
+MIN_EVAL_TOKENS) instead of spending its budget scoring all of it. Explicit
 options win over every choice. The decision is stored in config.json ("defaults_rule")
 and a resumed run reads it back instead of deciding again. How each constant was chosen,
 and the measurements behind it, are in docs/defaults-rule.md.
@@ -62,6 +65,8 @@ VALIDATION_SHARE = 0.1  # the part of a time budget validation and checkpoints t
 EVALS_PER_RUN = 6  # validations in a run of known length (and one at the end)
 PASSES_PER_EVAL = 1.0  # and at least one validation per this many passes over the train split
 MIN_EVAL_EVERY = 50
+EVAL_TOKEN_SHARE = 1 / 3  # all of a run's validations score at most this share of the tokens it trains on
+MIN_EVAL_TOKENS = 50_000  # and each at least this many (or the whole valid split)
 HIDDEN_SIZES = (128, 256, 384, 512, 768, 1024)  # the sizes the rule picks from (more: --hidden)
 TOKENS_PER_PARAMETER = 10.0  # a model should train on at least this many tokens per parameter
 PROBE_HIDDEN = 512  # the size whose speed the probe measures (unless --hidden is given)
@@ -91,7 +96,7 @@ REGIMES = {
     "data-rich": Regime(layers=1, embed=64, reset_prob=0.02, lr=4e-3, schedule="cosine", bptt=50),
 }
 RULED = ("hidden", *REGIMES["regularised"].options().given(), "zoneout_cell", "zoneout_hidden", "average",
-         "on_overfit", "eval_every")
+         "on_overfit", "eval_every", "eval_tokens")
 """The options the rule chooses (all others come from the preset)."""
 
 
@@ -177,6 +182,7 @@ class RunLength:
     bptt: int = 100  # the window tokens_per_step counts
     bptt_given: bool = False  # --bptt was given: no regime changes it
     batch: int = 32  # the batch tokens_per_step counts
+    valid_tokens: int = 0  # the valid split's tokens (0: unknown, validation scores all of it)
 
     @property
     def known(self) -> bool:
@@ -252,8 +258,11 @@ def decide(length: RunLength, tokens_per_s: float | None = None, hidden: int | N
     settings = window | zoneout_for(epochs) | Options(average=AVERAGE_SHARE, on_overfit=ON_OVERFIT)
     if length.bptt_given:
         settings = Options(**{**settings.given(), "bptt": None})
-    eval_every = eval_interval(epochs, length.train_tokens / length.step_tokens(settings))
-    settings = settings | Options(hidden=None if hidden is not None else size, eval_every=eval_every)
+    step_tokens = length.step_tokens(settings)
+    eval_every = eval_interval(epochs, length.train_tokens / step_tokens)
+    sample = eval_sample(epochs * length.train_tokens, step_tokens * eval_every, length.valid_tokens)
+    settings = settings | Options(hidden=None if hidden is not None else size, eval_every=eval_every,
+                                  eval_tokens=sample or None)
     return DefaultsRule(regime, epochs, tokens_per_s, settings,
                         _line(regime, epochs, tokens_per_s, probe_hidden, size, settings))
 
@@ -265,6 +274,20 @@ def eval_interval(epochs: float, steps_per_pass: float) -> int:
     non-decreasing in both arguments."""
     steps = min(epochs / EVALS_PER_RUN, PASSES_PER_EVAL) * steps_per_pass
     return max(MIN_EVAL_EVERY, int(math.ceil(steps / 10.0)) * 10)
+
+
+def eval_sample(run_tokens: float, interval_tokens: int, valid_tokens: int) -> int:
+    """Valid tokens each validation scores (--eval-tokens; 0: the whole split) in a run of
+    `run_tokens` training tokens validating every `interval_tokens`: EVAL_TOKEN_SHARE of the
+    run's tokens over its validations, rounded up to thousands, MIN_EVAL_TOKENS at least; 0
+    when that covers the split. A run of E < PASSES_PER_EVAL passes validates about
+    EVALS_PER_RUN times (`eval_interval`), so with zlm's 90/5/5 split the sample is about
+    E x EVAL_TOKEN_SHARE x 18 / EVALS_PER_RUN of the valid split: all of it from one pass."""
+    if valid_tokens <= 0:
+        return 0
+    validations = max(1, math.ceil(run_tokens / interval_tokens))
+    sample = max(MIN_EVAL_TOKENS, int(math.ceil(EVAL_TOKEN_SHARE * run_tokens / validations / 1000.0)) * 1000)
+    return 0 if sample >= valid_tokens else sample
 
 
 def _decide_gpu(length: RunLength, gpu: GpuSpeeds, hidden: int | None, probe_hidden: int) -> DefaultsRule:
@@ -293,6 +316,7 @@ def _line(regime: str, epochs: float, tokens_per_s: float | None, probe_hidden: 
             f"reset-prob {s.reset_prob:g}, lr {s.lr:g} {s.schedule} over the run, "
             + (f"bptt {s.bptt}, " if s.bptt is not None else "")
             + f"average the last {s.average:.0%}, validate every {s.eval_every} steps"
+            + (f" on {s.eval_tokens:,} tokens spread over the valid split" if s.eval_tokens else "")
             + (", cool down and stop once it overfits" if s.on_overfit == "cool-down" else ""))
 
 

@@ -130,7 +130,8 @@ def _rule(base: Preset, data: Dataset, options: Options, world: int, rep: Report
     model, train = probe.apply(base.model, base.train, data.vocab_size)
     length = defaults.RunLength(data.split_info("train").tokens, train.time_budget, train.epochs,
                                 train.max_steps, train.batch_size * train.bptt * world, data.vocab_size,
-                                model.embed, train.bptt, options.bptt is not None, train.batch_size)
+                                model.embed, train.bptt, options.bptt is not None, train.batch_size,
+                                data.split_info("valid").tokens)
     if speed is not PROBE:
         return defaults.decide(length, speed, options.hidden, model.hidden)
     speed = gpu = None

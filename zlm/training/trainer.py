@@ -46,7 +46,8 @@ from zlm.training.state import Checkpointer, RNGState, TrainState
 from zlm.training.step import TrainStep, build_optimizer, describe_mode, step_mode
 
 RESIDENT_SHARE = 0.25  # of free device memory the training split may take to live there
-GAP_TOKENS = 50_000  # train tokens scored at each validation for the generalisation gap (at most)
+GAP_TOKENS = 50_000  # train tokens scored at each validation for the generalisation gap (at most,
+# and at most half of what validation scores)
 
 
 @dataclass
@@ -109,6 +110,8 @@ class Trainer:
         self.chars_per_token = info.characters / max(info.tokens, 1)
         self.bytes_per_token = info.bytes / max(info.tokens, 1)
         valid_tokens = data.split_info("valid").tokens
+        if 0 < cfg.eval_tokens < valid_tokens:
+            valid_tokens = cfg.eval_tokens  # what validation scores: its sample
         self.gap_tokens = max(2, min(GAP_TOKENS, valid_tokens // 2, info.tokens))  # the fixed train slice
 
     @property
@@ -227,15 +230,17 @@ class Trainer:
         return self.carried
 
     def validate(self) -> float:
-        """Valid BPC over the whole split (all ranks), of the averaged weights once averaging
-        has started (`--average`); best/ is updated when it improves."""
+        """Valid BPC over the whole split, or its `--eval-tokens` sample (all ranks), of the
+        averaged weights once averaging has started (`--average`); best/ is updated when it
+        improves."""
         with self.average.applied():
             return self._validate()
 
     def _validate(self) -> float:
         s, vinfo = self.state, self.data.split_info("valid")
         score = evaluate_tokens(self.model, self.data.tokens("valid"), self.data.tokenizer, vinfo.characters,
-                            vinfo.bytes, self.runtime, EvalProtocol(self.cfg.eval_streams), self.par.sum,
+                            vinfo.bytes, self.runtime,
+                            EvalProtocol(self.cfg.eval_streams, sample=self.cfg.eval_tokens), self.par.sum,
                             self.par.rank, self.par.world)
         bpc = score.bpc
         improved = math.isfinite(bpc) and bpc < s.best_bpc
@@ -310,7 +315,8 @@ class Trainer:
             "cuda graphs": self.graphs_line, "processes": self.par.describe(), "train split": self.data_line,
             "data": f"{self.data.path} ({self.data.meta['tokenizer']['kind']}, vocab {self.data.vocab_size}, "
                     f"{info.tokens:,} train tokens)",
-            "plan": describe_plan(self.cfg, self.total_steps, self.streams.windows_per_epoch),
+            "plan": describe_plan(self.cfg, self.total_steps, self.streams.windows_per_epoch,
+                                  self.data.split_info("valid").tokens),
         })
         if self.par.is_main:
             self.log.write("start", parameters=self.model.num_parameters(), cell=self.cell.name,
@@ -470,7 +476,7 @@ def _planned_steps(cfg: TrainConfig, steps_per_epoch: int) -> int | None:
     return min(options) if options else None
 
 
-def describe_plan(cfg: TrainConfig, total_steps: int | None, steps_per_epoch: int) -> str:
+def describe_plan(cfg: TrainConfig, total_steps: int | None, steps_per_epoch: int, valid_tokens: int = 0) -> str:
     parts = [f"batch {cfg.batch_size} x bptt {cfg.bptt}", f"{steps_per_epoch:,} steps/epoch"]
     if total_steps is not None:
         parts.append(f"{total_steps:,} steps")
@@ -478,4 +484,7 @@ def describe_plan(cfg: TrainConfig, total_steps: int | None, steps_per_epoch: in
         parts.append(f"time budget {cfg.time_budget:.0f}s")
     if total_steps is None and cfg.time_budget is None:
         parts.append("until interrupted (no --epochs, --max-steps or --time-budget)")
+    if 0 < cfg.eval_tokens < valid_tokens:
+        parts.append(f"validation on {cfg.eval_tokens:,} of the valid split's {valid_tokens:,} tokens "
+                     "(zlm eval scores them all)")
     return ", ".join(parts)
