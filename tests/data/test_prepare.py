@@ -214,7 +214,7 @@ def test_stdlib_offline_with_size_cap(tmp_path):
     (b"text\x00more text", "NUL byte at byte offset 4"),
     (bytes(range(1, 9)) * 100, "binary"),
     (b"abc\n" * 10 + b"\xc3\x28 tail", "invalid UTF-8 at byte offset 40.*--tokenizer byte"),
-    (b"ab", "the valid split of --split 0.9,0.05,0.05 would be empty"),
+    (b"ab", "the valid split of --split 0.9,0.05,0.05 would be empty; .* zlm prepare TRAIN --valid VALID"),
 ])
 def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, content, match):
     path = tmp_path / "bad.txt"

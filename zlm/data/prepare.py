@@ -230,7 +230,8 @@ def _boundaries(plan: Plan, part_units: list[int]) -> list[int]:
         if hi <= lo:
             raise DataError(f"{what} has only {total} {plan.unit}s: the {s} split of "
                             f"--split {','.join(map(str, f))} would be empty; use a larger "
-                            "corpus or pass --valid/--test")
+                            "corpus, or give its splits as files: zlm prepare TRAIN --valid VALID "
+                            "--test TEST --out DATA_DIR")
     return bounds
 
 def _build_tokenizer(plan: Plan, config: PrepareConfig, scan: Scan, bounds) -> Tokenizer:
