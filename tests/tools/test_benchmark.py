@@ -8,6 +8,7 @@ import json
 import os
 import pathlib
 import signal
+from dataclasses import replace
 
 import pytest
 from typer.testing import CliRunner
@@ -53,6 +54,9 @@ def test_defaults_are_zlm_trains_and_baseline_is_the_plain_lstm(tmp_path, monkey
     # The same validation schedule in tokens: the defaults' windows are 32 x 25, the baseline's 32 x 100.
     assert train.bptt == 25 and bt.eval_every * 3200 == pytest.approx(train.eval_every * 800, abs=5 * 3200)
     assert bm.vocab_size == data.vocab_size
+    # A sample of the valid split (a run under one pass) is validated on by both alike.
+    _, sampled = cb.baseline((model, replace(train, eval_tokens=50_000)))
+    assert sampled.eval_tokens == 50_000
     # The baseline of a seed shares the spec its defaults run stored, never a new measurement.
     run = tmp_path / "defaults-seed2"
     run.mkdir()
