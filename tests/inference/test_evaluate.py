@@ -160,6 +160,27 @@ def test_a_sample_scores_the_same_pieces_of_each_stream_and_their_share_of_the_c
         EvalProtocol(S, sample=-1)
 
 
+def test_blocks_of_a_large_vocabularys_logits_score_what_the_whole_window_does(monkeypatch):
+    # On a CPU the decoder and the loss run over blocks of NLL_BLOCK logits: forced down to
+    # a few rows per block (uneven last blocks, the tail stream's short windows too), the
+    # sum is the whole windows' up to fp32 summation order.
+    from zlm.core import eval_protocol
+
+    torch.manual_seed(0)
+    model = ZoneoutLM(ModelConfig(vocab_size=700, hidden=16, embed=8)).eval()
+    tokens = np.random.default_rng(0).integers(0, 700, 3001).astype(np.uint16)
+    rt = resolve_runtime("cpu", "fp32")
+    calls = []
+    model.decoder.register_forward_hook(lambda mod, args, out: calls.append(out.shape[0]))
+    whole = evaluate_predictions(model, tokens, rt, EvalProtocol(7, bptt=50))
+    assert 7 * 50 * 700 < eval_protocol.NLL_BLOCK  # the default: one decoder call per window here
+    windows, calls[:] = len(calls), []
+    monkeypatch.setattr(eval_protocol, "NLL_BLOCK", 700 * 9)  # 9 rows a block
+    blocked = evaluate_predictions(model, tokens, rt, EvalProtocol(7, bptt=50))
+    assert len(calls) > 30 * windows and max(calls) == 9
+    assert blocked[1] == whole[1] == 3000 and blocked[0] == pytest.approx(whole[0], rel=1e-6)
+
+
 def test_char_byte_and_bpe_models_are_scored_over_the_same_characters(tmp_path):
     from zlm.data.prepare import PrepareConfig, prepare
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from zlm.errors import UsageError
-from zlm.model.lm import ModelConfig, ZoneoutLM, token_nll
+from zlm.model.lm import ModelConfig, ZoneoutLM, blocked_nll, token_nll
 
 
 def test_shapes_and_state():
@@ -46,3 +46,23 @@ def test_a_model_needs_a_vocabulary():
     """Presets leave vocab_size at 0 until the data is known; a model cannot be built so."""
     with pytest.raises(UsageError, match="vocab_size"):
         ZoneoutLM(ModelConfig())
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_blocked_nll_equals_the_whole_windows(precision):
+    # Blocks of rows (an uneven last one included) against the logits of the whole window:
+    # the same per-token losses, summed in another order (fp32 rounding), in fp32 and under
+    # bf16 autocast; features -> decoder is exactly forward.
+    torch.manual_seed(0)
+    model = ZoneoutLM(ModelConfig(vocab_size=300, hidden=16, embed=8)).eval().requires_grad_(False)
+    tokens = torch.randint(300, (13, 5))
+    targets = torch.randint(300, (13, 5))
+    logits, state = model(tokens)
+    x, again = model.features(tokens)
+    assert torch.equal(model.decoder(x), logits) and all(torch.equal(a, b) for a, b in zip(state, again, strict=True))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        whole = token_nll(model.decoder(x), targets)
+        for block in (None, 300 * 65, 300 * 7, 300, 1):  # whole, one block, 7 rows, 1 row, at least 1 row
+            got = blocked_nll(model.decoder, x, targets, block)
+            assert got.dtype == torch.float32
+            assert float(got) == pytest.approx(float(whole), rel=1e-6), block

@@ -84,6 +84,12 @@ class ZoneoutLM(nn.Module):
 
     def forward(self, tokens: Tensor, state: State | None = None) -> tuple[Tensor, State]:
         """tokens: (T, B) int64 -> logits (T, B, V), final state (h, c) each (L, B, H)."""
+        x, state = self.features(tokens, state)
+        return self.decoder(x), state
+
+    def features(self, tokens: Tensor, state: State | None = None) -> tuple[Tensor, State]:
+        """tokens: (T, B) int64 -> what the decoder reads (T, B, H), final state (h, c) each
+        (L, B, H). Scoring applies the decoder itself, in blocks (`zlm.core.eval_protocol`)."""
         T, B = tokens.shape
         if state is None:
             state = self.initial_state(B, tokens.device, self.embedding.weight.dtype)
@@ -94,8 +100,7 @@ class ZoneoutLM(nn.Module):
             x = self.drop(x)
             hs.append(h)
             cs.append(c)
-        logits = self.decoder(x)  # (T, B, V)
-        return logits, (torch.stack(hs), torch.stack(cs))
+        return x, (torch.stack(hs), torch.stack(cs))
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -104,3 +109,20 @@ class ZoneoutLM(nn.Module):
 def token_nll(logits: Tensor, targets: Tensor) -> Tensor:
     """Summed negative log-likelihood in nats, computed in fp32. logits (T, B, V), targets (T, B)."""
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
+
+
+NLL_BLOCK = 1 << 21  # logits `blocked_nll` scores at once on a CPU (8 MB in fp32)
+
+
+def blocked_nll(decoder: nn.Linear, x: Tensor, targets: Tensor, block: int | None = NLL_BLOCK) -> Tensor:
+    """token_nll(decoder(x), targets) over blocks of rows of at most `block` logits, so a
+    large vocabulary's (T*B, V) logits never exist whole and each block is read back while
+    in cache (None, or a small vocabulary: the whole window at once). x (T, B, H), targets
+    (T, B) -> summed NLL in nats (fp32)."""
+    rows = x.shape[0] * x.shape[1]
+    per = rows if block is None else max(1, block // decoder.out_features)
+    if per >= rows:
+        return token_nll(decoder(x), targets)
+    flat, tgt = x.flatten(0, 1), targets.flatten()  # (T*B, H), (T*B,)
+    return sum(F.cross_entropy(decoder(flat[i:i + per]).float(), tgt[i:i + per], reduction="sum")
+               for i in range(0, rows, per))
