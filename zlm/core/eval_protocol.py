@@ -108,8 +108,8 @@ def _window_step(model: ZoneoutLM, runtime: Runtime, graphs: bool) -> WindowStep
     """(inputs, targets, state) -> (summed NLL of the window, final state), in eval mode;
     each window shape (the streams' full and last windows, the tail stream's) replayed from
     a CUDA graph with `graphs` (a failed capture warns and evaluates eagerly). On a CPU the
-    decoder and the loss run over blocks of rows (`blocked_nll`): with a large vocabulary
-    that scores twice as fast; on CUDA the whole window at once."""
+    decoder and the loss run over blocks of rows (`blocked_nll`), which scores a large
+    vocabulary faster (docs/speed.md); on CUDA the whole window at once."""
     block = NLL_BLOCK if runtime.device.type == "cpu" else None
 
     def window(inputs, targets, h0, c0):
