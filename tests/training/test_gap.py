@@ -81,3 +81,4 @@ def test_with_eval_tokens_validation_and_the_train_slice_score_a_sample(tmp_path
     assert info.characters == info.tokens and abs(slice_bpc - evals[-1]["train_slice_bpc"]) < 1e-5
     r = CliRunner().invoke(app, ["info", str(tmp_path / "run")])
     assert r.exit_code == 0 and "(on a 300-token sample of the valid split; zlm eval scores all of it)" in r.output
+

@@ -33,6 +33,12 @@ class Reporter:
         """Once, at the end."""
 
 
+def summary_line(summary: dict) -> str:
+    """The end-of-run summary as "key value" pairs: BPC to 4 decimals, unset values left out."""
+    return " ".join(f"{k} {v:.4f}" if isinstance(v, float) and k.endswith("bpc") else f"{k} {v}"
+                    for k, v in summary.items() if v is not None)
+
+
 def fmt_duration(seconds: float | None) -> str:
     if seconds is None or seconds != seconds or seconds == float("inf"):
         return "?"
@@ -76,7 +82,7 @@ class PlainReporter(Reporter):
         self._p(text)
 
     def finish(self, summary: dict) -> None:
-        self._p("done: " + " ".join(f"{k} {v}" for k, v in summary.items()))
+        self._p("done: " + summary_line(summary))
 
 
 class ByteProgress:

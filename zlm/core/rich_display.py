@@ -24,7 +24,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from zlm.core.reporter import ByteProgress, PlainReporter, Reporter, fmt_duration
+from zlm.core.reporter import ByteProgress, PlainReporter, Reporter, fmt_duration, summary_line
 
 
 def use_rich(stream=None) -> bool:
@@ -124,5 +124,4 @@ class RichReporter(Reporter):
         if self.live:
             self.live.update(self._render())
             self.live.stop()
-        self.console.print("[bold green]done[/]: " + ", ".join(f"{k} {v}" for k, v in summary.items()),
-                           highlight=False)
+        self.console.print("[bold green]done[/]: " + summary_line(summary), highlight=False)
