@@ -20,6 +20,7 @@ from conftest import EagerReplay
 from zlm.core.config import TrainConfig
 from zlm.core.graphs import WindowStep
 from zlm.core.precision import Runtime
+from zlm.model import lm
 from zlm.model.cells import choose_cell
 from zlm.model.lm import ModelConfig, ZoneoutLM, token_nll
 from zlm.training.distributed import Parallel
@@ -195,3 +196,38 @@ def test_whole_step_graph_matches_eager_cuda(precision):
     for a, b in zip(pg, pe, strict=True):
         torch.testing.assert_close(a, b, **wtol)
     assert step.graph.replays >= 4
+
+
+def test_a_large_vocabulary_step_takes_the_fused_loss_and_equals_cross_entropy(monkeypatch):
+    """With a vocabulary of FUSED_NLL_MIN_VOCAB the step's loss is the fused one
+    (zlm.model.lm.training_nll); over SHAPES its numbers and weights equal the same step with
+    F.cross_entropy's loss to fp32 rounding (rel 1e-5: the gradients differ in the last bits,
+    and Adam carries them)."""
+    vocab = lm.FUSED_NLL_MIN_VOCAB
+
+    def run(loss_fn):
+        monkeypatch.setattr("zlm.training.step.training_nll", loss_fn)
+        torch.manual_seed(0)
+        cfg = ModelConfig(vocab_size=vocab, hidden=24, embed=8, zoneout_cell=0.5, zoneout_hidden=0.1)
+        model = ZoneoutLM(cfg, choose_cell("auto", "cpu").fn).train()
+        opt_cls, kw = build_optimizer(TrainConfig(lr=3e-3))
+        opt = opt_cls(model.parameters(), **kw)
+        step = TrainStep(model, CPU, torch.amp.GradScaler("cpu", enabled=False), opt, Parallel(), clip=0.25)
+        s, numbers = model.initial_state(3), []
+        g = torch.Generator().manual_seed(1)
+        for k, (T, lr) in enumerate(zip(SHAPES, LRS, strict=True)):
+            tokens = torch.randint(vocab, (T + 1, 3), generator=g)
+            torch.manual_seed(100 + k)
+            n, s = step(tokens[:-1], tokens[1:], s, lr)
+            numbers.append(n)
+        return torch.stack(numbers), list(model.parameters())
+
+    calls = []
+    fused_apply = lm._FusedSoftmaxNLL.apply
+    monkeypatch.setattr(lm._FusedSoftmaxNLL, "apply", lambda *a: calls.append(1) or fused_apply(*a))
+    fused_numbers, fused_weights = run(lm.training_nll)
+    assert len(calls) == len(SHAPES)
+    ref_numbers, ref_weights = run(token_nll)
+    torch.testing.assert_close(fused_numbers, ref_numbers, rtol=1e-5, atol=0)
+    for p, q in zip(fused_weights, ref_weights, strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)

@@ -13,6 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 from zlm.errors import UsageError
 from zlm.model.cells import CellFn
@@ -109,6 +110,62 @@ class ZoneoutLM(nn.Module):
 def token_nll(logits: Tensor, targets: Tensor) -> Tensor:
     """Summed negative log-likelihood in nats, computed in fp32. logits (T, B, V), targets (T, B)."""
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
+
+
+FUSED_NLL_MIN_VOCAB = 512  # from this vocabulary up a CPU training step takes the fused loss
+SOFTMAX_ROWS_BLOCK = 1 << 18  # logits per block of rows in the fused loss's fp32 passes (1 MB)
+
+
+class _FusedSoftmaxNLL(torch.autograd.Function):
+    """Summed NLL of (N, V) logits (any float dtype) in fp32, with a backward that writes the
+    gradient, softmax - onehot, over the logits' own memory: the fp32 work runs over blocks
+    of rows while they are in cache, and no (N, V) fp32 log-probabilities or zero-filled
+    gradient is ever made (what F.cross_entropy's forward and backward write). Equal to
+    `token_nll` up to float rounding: tests/model/test_lm.py. It backpropagates once; the
+    logits are left holding their gradient."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, targets: Tensor) -> Tensor:
+        N, V = logits.shape
+        per = max(1, SOFTMAX_ROWS_BLOCK // V)
+        lse = torch.empty(N, dtype=torch.float32, device=logits.device)
+        for i in range(0, N, per):
+            lse[i:i + per] = torch.logsumexp(logits[i:i + per].float(), 1)
+        target_logit = logits.gather(1, targets[:, None]).squeeze(1).float()
+        ctx.save_for_backward(logits, lse, targets)
+        ctx.spent = False
+        return (lse - target_logit).sum()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        if ctx.spent:
+            raise RuntimeError("the fused training loss backpropagates once (its logits now hold their "
+                               "gradient); use zlm.model.lm.token_nll to backpropagate twice")
+        ctx.spent = True
+        logits, lse, targets = ctx.saved_tensors
+        N, V = logits.shape
+        per = max(1, SOFTMAX_ROWS_BLOCK // V)
+        rows = torch.arange(min(per, N), device=logits.device)
+        for i in range(0, N, per):
+            block = logits[i:i + per]
+            p = block.float().sub_(lse[i:i + per, None]).exp_()  # softmax
+            p[rows[:p.shape[0]], targets[i:i + per]] -= 1.0
+            block.copy_(p.mul_(grad))
+        return logits, None
+
+
+def training_nll(logits: Tensor, targets: Tensor) -> Tensor:
+    """`token_nll` for a training step (backpropagated once). On a CPU with a vocabulary of
+    FUSED_NLL_MIN_VOCAB or more, the fused loss (`_FusedSoftmaxNLL`), which makes the whole
+    step faster there and more so the larger the vocabulary; below it, where F.cross_entropy
+    is as fast or faster, and on CUDA, `token_nll` (docs/speed.md, "Training with a large
+    vocabulary")."""
+    fused = (logits.device.type == "cpu" and logits.shape[-1] >= FUSED_NLL_MIN_VOCAB
+             and torch.is_grad_enabled() and logits.requires_grad)
+    if not fused:
+        return token_nll(logits, targets)
+    return _FusedSoftmaxNLL.apply(logits.flatten(0, 1), targets.flatten())
 
 
 NLL_BLOCK = 1 << 21  # logits `blocked_nll` scores at once on a CPU (8 MB in fp32)

@@ -1,7 +1,8 @@
 """Throughput of the zoneout cells against torch.nn.LSTM, measured in one process.
 
 Three implementations of the same character language model (embedding -> one LSTM layer
--> linear decoder -> cross-entropy) run at the same sizes:
+-> linear decoder -> cross-entropy) run at the same sizes (the loss: F.cross_entropy for
+nn.LSTM, zlm's training loss `zlm.model.lm.training_nll` for zlm's models):
 
 - `nn.LSTM`: torch.nn.LSTM (oneDNN on the CPU, cuDNN on CUDA), no zoneout - the bar;
 - `reference`: `zlm.model.ZoneoutLM` with the reference cell, zoneout z_c 0.5, z_h 0.05;
@@ -44,7 +45,7 @@ from zlm.inference.stepper import Stepper
 from zlm.model.cells import choose_cell
 from zlm.model.cells.masks import draw_keep
 from zlm.model.cells.reference import zoneout_lstm_reference
-from zlm.model.lm import ModelConfig, ZoneoutLM
+from zlm.model.lm import ModelConfig, ZoneoutLM, training_nll
 
 IMPLS = ("nn.LSTM", "reference", "fused")
 GRAPHED = "fused+graphs"  # CUDA only
@@ -137,6 +138,7 @@ class _Runner:
         self._stepper = None  # the sampling row's Stepper, built on first use
         self.tok = torch.zeros(1, 1, dtype=torch.long, device=device)
         self.graphed = impl == GRAPHED
+        self.torch_loss = impl == "nn.LSTM"  # zlm's models take zlm's training loss
         self.graphs: dict[str, CapturedStep] = {}
         self.opt = None
 
@@ -157,8 +159,15 @@ class _Runner:
     def _train_fn(self, tokens, h0, c0):
         with self.autocast():
             logits, (h, c) = self.model(tokens[:-1], (h0, c0))
-        F.cross_entropy(logits.float().flatten(0, 1), tokens[1:].flatten()).backward()
+        self.loss(logits, tokens[1:]).backward()
         return h.detach().float(), c.detach().float()
+
+    def loss(self, logits, targets):
+        """Mean nats per token: F.cross_entropy as a user writes it for nn.LSTM; zlm's
+        `training_nll` (the fused loss for a large vocabulary on a CPU) for zlm's models."""
+        if self.torch_loss:
+            return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        return training_nll(logits, targets) / targets.numel()
 
     def _infer_fn(self, tokens, h0, c0):
         with torch.no_grad(), self.autocast():
@@ -182,7 +191,7 @@ class _Runner:
         self.model.train()
         with self.autocast():
             logits, state = self.model(self.tokens[:-1], self.state)  # (T, B, V)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), self.tokens[1:].flatten())
+        loss = self.loss(logits, self.tokens[1:])
         loss.backward()
         self.state = tuple(s.detach() for s in state)
         for p in self.model.parameters():
@@ -196,7 +205,7 @@ class _Runner:
         self.model.train()
         with self.autocast():
             logits, state = self.model(self.tokens[:-1], self.state)  # (T, B, V)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), self.tokens[1:].flatten())
+        loss = self.loss(logits, self.tokens[1:])
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from zlm.core.config import TrainConfig
 from zlm.core.graphs import WindowStep
-from zlm.model.lm import State, token_nll
+from zlm.model.lm import State, training_nll
 
 STEP_MODES = ("off", "window", "step")  # what a CUDA graph replays: nothing, forward+backward, all
 
@@ -32,7 +32,7 @@ def forward_backward(model, runtime, scaler, x, y, h0, c0, *, cache: bool = True
     """
     with runtime.autocast(cache=cache):
         logits, (h, c) = model(x, (h0, c0))  # (T, B, V)
-    loss = token_nll(logits, y) / y.numel()  # mean nats per token, fp32
+    loss = training_nll(logits, y) / y.numel()  # mean nats per token, fp32
     if fault is not None:
         loss = fault(step, loss)
     scaler.scale(loss).backward()
