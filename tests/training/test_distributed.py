@@ -233,10 +233,14 @@ def test_cli_nproc_trains_with_one_printing_rank(tmp_path):
     cmd = [sys.executable, "-m", "zlm", "train", str(text), "--out", str(run), "--nproc", "2", "--zero",
            "--max-steps", "6", "--hidden", "16", "--embed", "8", "--batch-size", "2", "--bptt", "10",
            "--eval-every", "6", "--log-every", "3"]
-    env = dict(os.environ, NO_COLOR="1", ZLM_DIST_TIMEOUT="60")
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = dict(os.environ, NO_COLOR="1", ZLM_DIST_TIMEOUT="60", TMPDIR=str(tmp))
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
     assert p.returncode == 0, p.stdout + p.stderr
     assert p.stdout.count("processes: 2 processes (gloo, DistributedDataParallel); ZeRO-1") == 1, p.stdout
+    left = [f.name for f in tmp.iterdir() if f.name.startswith(("torchelastic_", "zlm-launch-"))]
+    assert left == []  # the launcher's error-file folder is gone with the job
     assert p.stdout.count("eval step 6") == 1
     assert (run / "checkpoints" / "step-00000006" / "checkpoint.json").exists()
     # A second launch into the same directory without --resume is refused before any worker starts.

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import tempfile
 import threading
 import uuid
 from collections.abc import Callable
@@ -45,7 +46,7 @@ def run_local(fn: Callable, args: tuple, nproc: int, *, max_restarts: int = 0,
     relaunch all workers this often after a failure (TORCHELASTIC_RESTART_COUNT tells them
     which attempt they are).
     """
-    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -53,10 +54,14 @@ def run_local(fn: Callable, args: tuple, nproc: int, *, max_restarts: int = 0,
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
     if shutdown_timeout is None:
         shutdown_timeout = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", SHUTDOWN_GRACE))
+    # The agent's per-worker error files live in a folder removed when the job ends (by
+    # default torch leaves a /tmp/torchelastic_* folder behind for every launch).
+    logs = tempfile.TemporaryDirectory(prefix="zlm-launch-")
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"zlm-{uuid.uuid4().hex[:12]}",
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=max_restarts,
         monitor_interval=0.1, start_method="spawn", shutdown_timeout=shutdown_timeout,
+        logs_specs=DefaultLogsSpecs(log_dir=logs.name),
     )
     handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
     saved = {sig: signal.getsignal(sig) for sig in handled}  # the agent installs its own
@@ -67,6 +72,7 @@ def run_local(fn: Callable, args: tuple, nproc: int, *, max_restarts: int = 0,
     except SignalException as e:
         raise Interrupted(e.sigval) from None
     finally:
+        logs.cleanup()
         if threading.current_thread() is threading.main_thread():
             for sig, handler in saved.items():
                 if handler is not None:
