@@ -103,6 +103,11 @@ class TrainConfig:
                 raise UsageError(f"unknown {what} {getattr(self, name)!r}; pass "
                                  f"{flag(name)} {', '.join(allowed[:-1])} or {allowed[-1]}")
 
+    def scored_valid_tokens(self, valid_tokens: int) -> int:
+        """Valid tokens each validation scores: the --eval-tokens sample when it is smaller
+        than the split's `valid_tokens`, else all of them."""
+        return self.eval_tokens if 0 < self.eval_tokens < valid_tokens else valid_tokens
+
     def to_dict(self) -> dict:
         return asdict(self)
 

@@ -133,7 +133,7 @@ class _FusedSoftmaxNLL(torch.autograd.Function):
             lse[i:i + per] = torch.logsumexp(logits[i:i + per].float(), 1)
         target_logit = logits.gather(1, targets[:, None]).squeeze(1).float()
         ctx.save_for_backward(logits, lse, targets)
-        ctx.spent = False
+        ctx.per, ctx.spent = per, False
         return (lse - target_logit).sum()
 
     @staticmethod
@@ -144,8 +144,7 @@ class _FusedSoftmaxNLL(torch.autograd.Function):
                                "gradient); use zlm.model.lm.token_nll to backpropagate twice")
         ctx.spent = True
         logits, lse, targets = ctx.saved_tensors
-        N, V = logits.shape
-        per = max(1, SOFTMAX_ROWS_BLOCK // V)
+        N, per = logits.shape[0], ctx.per  # the forward's blocks of rows
         rows = torch.arange(min(per, N), device=logits.device)
         for i in range(0, N, per):
             block = logits[i:i + per]

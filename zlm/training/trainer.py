@@ -109,9 +109,7 @@ class Trainer:
         info = data.split_info("train")
         self.chars_per_token = info.characters / max(info.tokens, 1)
         self.bytes_per_token = info.bytes / max(info.tokens, 1)
-        valid_tokens = data.split_info("valid").tokens
-        if 0 < cfg.eval_tokens < valid_tokens:
-            valid_tokens = cfg.eval_tokens  # what validation scores: its sample
+        valid_tokens = cfg.scored_valid_tokens(data.split_info("valid").tokens)
         self.gap_tokens = max(2, min(GAP_TOKENS, valid_tokens // 2, info.tokens))  # the fixed train slice
 
     @property
@@ -484,7 +482,7 @@ def describe_plan(cfg: TrainConfig, total_steps: int | None, steps_per_epoch: in
         parts.append(f"time budget {cfg.time_budget:.0f}s")
     if total_steps is None and cfg.time_budget is None:
         parts.append("until interrupted (no --epochs, --max-steps or --time-budget)")
-    if 0 < cfg.eval_tokens < valid_tokens:
-        parts.append(f"validation on {cfg.eval_tokens:,} of the valid split's {valid_tokens:,} tokens "
+    if (scored := cfg.scored_valid_tokens(valid_tokens)) < valid_tokens:
+        parts.append(f"validation on {scored:,} of the valid split's {valid_tokens:,} tokens "
                      "(zlm eval scores them all)")
     return ", ".join(parts)
