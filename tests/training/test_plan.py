@@ -2,11 +2,13 @@
 
 tests/fixtures/plans.json holds the configs and the defaults rule's decision that
 `zlm train` planned for eight sources and option sets (the speed probe fixed at 14,000
-tokens/s), first recorded with the code before `plan` existed and re-recorded on purpose
-when the rule changed (its zoneout ramp, weight averaging, overfitting guard, the
-window ramp's ends, its start line under --bptt, and the validation sample of a run under
-one pass: the field eval_tokens, 0 in the plans it leaves alone); the same inputs must plan
-the same run.
+tokens/s at 1x512), first recorded with the code before `plan` existed and re-recorded on
+purpose when the rule changed (its zoneout ramp, weight averaging, overfitting guard, the
+window ramp's ends, its start line under --bptt, the validation sample of a run under
+one pass: the field eval_tokens, 0 in the plans it leaves alone; and the second reading of
+a small model, which changed only the start lines of the four plans below 1x512, since the
+fixture's small model runs at the speed parameter scaling predicts); the same inputs must
+plan the same run.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from zlm.cli import app
 from zlm.core.config import Options, fields_of_options
 from zlm.core.spec import FORMAT, RunSpec, read_spec
 from zlm.errors import CheckpointError, UsageError
-from zlm.training import speed_probe
+from zlm.training import defaults, speed_probe
 from zlm.training.plan import plan
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "plans.json"
@@ -45,7 +47,7 @@ def _text(n: int, seed: int) -> str:
 @pytest.mark.parametrize("name", sorted(json.loads(FIXTURE.read_text())))
 def test_the_same_source_options_and_speed_give_the_recorded_plan(name, tmp_path, monkeypatch):
     case = json.loads(FIXTURE.read_text())[name]
-    monkeypatch.setattr(speed_probe, "probe_tokens_per_s", lambda *a, **k: 14_000.0)
+    monkeypatch.setattr(speed_probe, "probe_tokens_per_s", _proportional)
     src = tmp_path / f"{name}.txt"
     src.write_text(_text(case["chars"], case["chars"]), encoding="utf-8")
     spec = plan(src, Options(**case["options"]), out=tmp_path / "run").spec
@@ -53,6 +55,15 @@ def test_the_same_source_options_and_speed_give_the_recorded_plan(name, tmp_path
     assert asdict(spec.train) == case["train"]
     rule = spec.rule
     assert {"regime": rule.regime, "expected_epochs": rule.expected_epochs, "line": rule.line} == case["rule"]
+
+
+def _proportional(model, train, **_) -> float:
+    """The fixture's probe: 14,000 tokens/s at 1x512, and a smaller model faster in
+    proportion to its parameters (so the rule's second reading, where it takes one, says
+    what parameter scaling predicted, and the plan is the one-reading plan)."""
+    def count(hidden: int) -> int:
+        return defaults.parameters(model.vocab_size, hidden, model.embed, model.layers)
+    return 14_000.0 * count(512) / count(model.hidden)
 
 
 def _tiny(tmp_path) -> Path:
@@ -126,7 +137,6 @@ def test_replay_decides_the_rule_again_at_the_measured_speed_without_probing(tmp
     """`replay`: the spec a fresh plan gives now, at the stored run's measured speed; equal
     while nothing changed, different once the rule changes, None for a CUDA decision."""
     from zlm.data.dataset import Dataset
-    from zlm.training import defaults
     from zlm.training.plan import replay
 
     monkeypatch.setattr(speed_probe, "probe_tokens_per_s", lambda *a, **k: 14_000.0)
@@ -139,8 +149,12 @@ def test_replay_decides_the_rule_again_at_the_measured_speed_without_probing(tmp
     monkeypatch.setattr(speed_probe, "probe_tokens_per_s", no_probe)
     again = replay(planned.spec, data, Options(time_budget=60.0, seed=3))
     assert (again.model, again.train, again.rule) == (planned.spec.model, planned.spec.train, planned.spec.rule)
-    slower = replace(planned.spec, rule=replace(planned.spec.rule, tokens_per_s=20.0))
+    assert planned.spec.rule.small_hidden == defaults.SMALL_PROBE_HIDDEN  # this plan took a second reading
+    slower = replace(planned.spec, rule=replace(planned.spec.rule, tokens_per_s=20.0, small_tokens_per_s=20.0))
     assert replay(slower, data, Options(time_budget=60.0, seed=3)).train != planned.spec.train
+    # A run planned before the rule timed a small model cannot be told: its reading is missing.
+    one_reading = replace(planned.spec, rule=replace(planned.spec.rule, small_hidden=None, small_tokens_per_s=None))
+    assert replay(one_reading, data, Options(time_budget=60.0, seed=3)) is None
     monkeypatch.setattr(defaults, "AVERAGE_SHARE", 0.5)
     changed = replay(planned.spec, data, Options(time_budget=60.0, seed=3))
     assert changed.train == replace(planned.spec.train, average=0.5) and changed.model == planned.spec.model

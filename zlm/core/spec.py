@@ -58,6 +58,8 @@ class DefaultsRule:
     tokens_per_s: float | None  # the speed probe's measurement (None: not needed or not taken)
     settings: Options = field(default_factory=Options)  # what the rule chose
     line: str = ""  # what `zlm train` prints at start
+    small_hidden: int | None = None  # the probe's second size (`defaults.small_probe`; None: not taken)
+    small_tokens_per_s: float | None = None  # and its measurement
 
     def to_dict(self) -> dict:
         return {**asdict(self), "settings": self.settings.given()}

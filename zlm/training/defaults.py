@@ -7,8 +7,11 @@ wins. `decide` is a pure function of what the planner measured (`RunLength` and 
 probe's tokens/s) and returns a `DefaultsRule` whose settings are typed `Options`:
 
     size    the largest of HIDDEN_SIZES that trains on at least TOKENS_PER_PARAMETER
-            tokens per parameter in this run (a model of H units is taken to run at the
-            probed speed x parameters at PROBE_HIDDEN / parameters at H)
+            tokens per parameter in this run (`speed_at`: a model of H units is taken to
+            run at the probed speed x parameters at PROBE_HIDDEN / parameters at H; when
+            that picks a size below PROBE_HIDDEN the probe also times SMALL_PROBE_HIDDEN,
+            whose fixed per-step costs parameter scaling misses, and the time per token
+            between the two readings is linear in the parameter count)
     E       expected passes = tokens the run buys for that size / train tokens, where a
             time budget buys budget x (1 - VALIDATION_SHARE) x tokens/s
     zoneout grows smoothly with E, linearly in log E: none up to ZONEOUT_FROM passes
@@ -70,6 +73,7 @@ MIN_EVAL_TOKENS = 50_000  # and each at least this many (or the whole valid spli
 HIDDEN_SIZES = (128, 256, 384, 512, 768, 1024)  # the sizes the rule picks from (more: --hidden)
 TOKENS_PER_PARAMETER = 10.0  # a model should train on at least this many tokens per parameter
 PROBE_HIDDEN = 512  # the size whose speed the probe measures (unless --hidden is given)
+SMALL_PROBE_HIDDEN = 128  # and the second size it measures when the rule would choose below PROBE_HIDDEN
 CUDA_BATCHES = (32, 64, 128, 256)  # the batches the CUDA probe times
 BATCH_SPEED_SHARE = 0.8  # the smallest batch within this share of the fastest's tokens/s
 CUDA_EVAL_STREAMS = 64  # validation streams on CUDA (more streams fill the device)
@@ -204,56 +208,94 @@ def parameters(vocab_size: int, hidden: int, embed: int, layers: int = 1) -> int
     return vocab_size * embed + lstm + hidden * vocab_size + vocab_size
 
 
+def speed_at(length: RunLength, hidden: int, tokens_per_s: float, probe_hidden: int = PROBE_HIDDEN,
+             small: tuple[int, float] | None = None) -> float:
+    """Training tokens/s of a model of `hidden` units, from the probe's reading at
+    `probe_hidden` and, when taken, `small` = (size, tokens/s) below it. The time per token
+    is taken as linear in the parameter count between the two readings, and proportional to
+    it beyond them (from the nearer reading); with one reading, proportional throughout.
+    A small model's fixed costs per step (the time loop, the element-wise work, the
+    optimizer's launches) do not shrink with its parameters: scaled from 1x512, a 1x128
+    model on 2 CPU cores was predicted 2.5-4x faster than it trains (docs/defaults-rule.md).
+    A small reading slower than the large one is taken as equal to it."""
+    def count(h: int) -> float:
+        return float(parameters(length.vocab_size, h, length.embed))
+
+    hi = (count(probe_hidden), tokens_per_s)
+    lo = hi if small is None or small[0] >= probe_hidden or not small[1] else (count(small[0]), max(small[1], hi[1]))
+    p = count(hidden)
+    if p >= hi[0]:
+        return hi[1] * hi[0] / p
+    if p <= lo[0]:
+        return lo[1] * lo[0] / p
+    per_token = 1.0 / lo[1] + (1.0 / hi[1] - 1.0 / lo[1]) * (p - lo[0]) / (hi[0] - lo[0])
+    return 1.0 / per_token
+
+
 def run_tokens(length: RunLength, hidden: int, tokens_per_s: float | None,
-               probe_hidden: int = PROBE_HIDDEN) -> float | None:
+               probe_hidden: int = PROBE_HIDDEN, small: tuple[int, float] | None = None) -> float | None:
     """Tokens a model of `hidden` units trains on: the nearest of the run's limits (None:
-    no limit). Under a time budget its speed is the probe's, scaled by parameter count
-    (the work per token) from the probed size."""
+    no limit). Under a time budget its speed is `speed_at`'s (the probe's readings, scaled
+    to the size by parameter count)."""
     options = []
     if length.epochs is not None:
         options.append(length.epochs * length.train_tokens)
     if length.max_steps is not None:
         options.append(float(length.max_steps * length.tokens_per_step))
     if length.time_budget is not None and tokens_per_s:
-        scale = (parameters(length.vocab_size, probe_hidden, length.embed)
-                 / parameters(length.vocab_size, hidden, length.embed))
-        options.append(length.time_budget * (1 - VALIDATION_SHARE) * tokens_per_s * scale)
+        options.append(length.time_budget * (1 - VALIDATION_SHARE)
+                       * speed_at(length, hidden, tokens_per_s, probe_hidden, small))
     return min(options) if options else None
 
 
 def expected_epochs(length: RunLength, tokens_per_s: float | None, hidden: int = PROBE_HIDDEN,
-                    probe_hidden: int = PROBE_HIDDEN) -> float | None:
+                    probe_hidden: int = PROBE_HIDDEN, small: tuple[int, float] | None = None) -> float | None:
     """Passes over the train split a model of `hidden` units makes (None: no limit)."""
-    tokens = run_tokens(length, hidden, tokens_per_s, probe_hidden)
+    tokens = run_tokens(length, hidden, tokens_per_s, probe_hidden, small)
     return None if tokens is None else tokens / max(length.train_tokens, 1)
 
 
-def choose_hidden(length: RunLength, tokens_per_s: float | None, probe_hidden: int = PROBE_HIDDEN) -> int:
+def choose_hidden(length: RunLength, tokens_per_s: float | None, probe_hidden: int = PROBE_HIDDEN,
+                  small: tuple[int, float] | None = None) -> int:
     """The largest of HIDDEN_SIZES that trains on TOKENS_PER_PARAMETER tokens per parameter
     or more in this run (a bigger model would stop far from converged, a smaller one
     would waste the run), the smallest when none does."""
     for hidden in reversed(HIDDEN_SIZES):
-        tokens = run_tokens(length, hidden, tokens_per_s, probe_hidden)
+        tokens = run_tokens(length, hidden, tokens_per_s, probe_hidden, small)
         if tokens >= TOKENS_PER_PARAMETER * parameters(length.vocab_size, hidden, length.embed):
             return hidden
     return HIDDEN_SIZES[0]
 
 
+def small_probe(length: RunLength, tokens_per_s: float | None, hidden: int | None,
+                probe_hidden: int = PROBE_HIDDEN) -> int | None:
+    """The second size the probe should time (None: no second reading is needed): when the
+    rule chooses the size (no --hidden) under a time budget, and the probe's one reading
+    scaled by parameter count picks a size below the probed one, the rule measures
+    SMALL_PROBE_HIDDEN too. (Sizes from the probed one up are scaled the same with or
+    without it, so a choice there stands.)"""
+    if hidden is not None or not tokens_per_s or length.time_budget is None or probe_hidden <= SMALL_PROBE_HIDDEN:
+        return None
+    return SMALL_PROBE_HIDDEN if choose_hidden(length, tokens_per_s, probe_hidden) < probe_hidden else None
+
+
 def decide(length: RunLength, tokens_per_s: float | None = None, hidden: int | None = None,
-           probe_hidden: int = PROBE_HIDDEN, gpu: GpuSpeeds | None = None) -> DefaultsRule:
+           probe_hidden: int = PROBE_HIDDEN, gpu: GpuSpeeds | None = None,
+           small: tuple[int, float] | None = None) -> DefaultsRule:
     """The regime and settings for a run of `length` at `tokens_per_s` (pure: no probe).
 
     hidden: --hidden when given (the size the regime is judged for; the rule does not
     choose one then). probe_hidden: the size `tokens_per_s` was measured with. gpu: the
     CUDA probe's readings (they give the batch and the speed instead of tokens_per_s).
+    small: the second reading (size, tokens/s) that `small_probe` asks for, when taken.
     """
     if gpu is not None and length.known:
         return _decide_gpu(length, gpu, hidden, probe_hidden)
     if not length.known:
         return DefaultsRule("open", None, tokens_per_s, Options(), "no --time-budget, --epochs or --max-steps: "
                             "the cpu-small preset as it is (regularised, constant lr)")
-    size = hidden if hidden is not None else choose_hidden(length, tokens_per_s, probe_hidden)
-    epochs = expected_epochs(length, tokens_per_s, size, probe_hidden)
+    size = hidden if hidden is not None else choose_hidden(length, tokens_per_s, probe_hidden, small)
+    epochs = expected_epochs(length, tokens_per_s, size, probe_hidden, small)
     regime, window = regime_for(epochs)
     settings = window | zoneout_for(epochs) | Options(average=AVERAGE_SHARE, on_overfit=ON_OVERFIT)
     if length.bptt_given:
@@ -263,8 +305,10 @@ def decide(length: RunLength, tokens_per_s: float | None = None, hidden: int | N
     sample = eval_sample(epochs * length.train_tokens, step_tokens * eval_every, length.valid_tokens)
     settings = settings | Options(hidden=None if hidden is not None else size, eval_every=eval_every,
                                   eval_tokens=sample or None)
+    small_hidden, small_speed = small if small is not None else (None, None)
     return DefaultsRule(regime, epochs, tokens_per_s, settings,
-                        _line(regime, epochs, tokens_per_s, probe_hidden, size, settings))
+                        _line(regime, epochs, tokens_per_s, probe_hidden, size, settings, small),
+                        small_hidden, small_speed)
 
 
 def eval_interval(epochs: float, steps_per_pass: float) -> int:
@@ -306,8 +350,9 @@ def _decide_gpu(length: RunLength, gpu: GpuSpeeds, hidden: int | None, probe_hid
 
 
 def _line(regime: str, epochs: float, tokens_per_s: float | None, probe_hidden: int, size: int,
-          s: Options) -> str:
-    speed = f" ({tokens_per_s:,.0f} tokens/s measured at 1x{probe_hidden})" if tokens_per_s else ""
+          s: Options, small: tuple[int, float] | None = None) -> str:
+    also = f", {small[1]:,.0f} at 1x{small[0]}" if small is not None else ""
+    speed = f" ({tokens_per_s:,.0f} tokens/s measured at 1x{probe_hidden}{also})" if tokens_per_s else ""
     k = zoneout_strength(epochs)
     why = (f"{epochs:.1f} epochs expected{speed}: zoneout at {k:.0%} of full strength"
            + (" (none: the faster plain LSTM)" if k == 0 else "")

@@ -104,18 +104,34 @@ def replay(stored: RunSpec, data: Dataset, options: Options, preset: Preset | No
     (`zlm.tools.benchmark` retrains a recorded run that no longer matches). preset: for a
     run planned with a library caller's own `Preset` (None: the stored spec's preset name,
     or the defaults rule when it has one). None when that cannot be told without probing:
-    the CUDA probe's readings (the batch it chose) are not stored."""
+    the CUDA probe's readings (the batch it chose) are not stored, nor a small model's speed
+    for a run planned before the rule measured one (`defaults.small_probe`)."""
     if stored.rule is not None and stored.rule.settings.batch_size is not None:
         return None  # the CUDA branch chose the batch from readings config.json does not keep
     chosen = None if stored.rule is not None else (preset or stored.preset)
     speed = stored.rule.tokens_per_s if stored.rule is not None else None
-    return _fresh(data, options, chosen, stored.world_size, Reporter(), speed=speed)
+    try:
+        return _fresh(data, options, chosen, stored.world_size, Reporter(), speed=speed, small=_small(stored.rule))
+    except _Untold:
+        return None
+
+
+class _Untold(Exception):
+    """`replay` cannot tell the plan: the rule now wants a reading the stored run did not take."""
+
+
+def _small(rule: DefaultsRule | None) -> tuple[int, float] | None:
+    """The stored rule's second reading (`defaults.small_probe`), when it took one."""
+    if rule is None or rule.small_hidden is None or rule.small_tokens_per_s is None:
+        return None
+    return rule.small_hidden, rule.small_tokens_per_s
 
 
 def _fresh(data: Dataset, options: Options, preset: str | Preset | None, world: int, rep: Reporter,
-           use_rule: bool = True, speed: float | None | object = PROBE) -> RunSpec:
+           use_rule: bool = True, speed: float | None | object = PROBE,
+           small: tuple[int, float] | None = None) -> RunSpec:
     base = preset if isinstance(preset, Preset) else get_preset(preset)
-    rule = _rule(base, data, options, world, rep, speed) if preset is None and use_rule else None
+    rule = _rule(base, data, options, world, rep, speed, small) if preset is None and use_rule else None
     chosen = (rule.settings if rule is not None else Options()) | options
     model, train = chosen.apply(base.model, base.train, data.vocab_size)
     resolved = resolve_fresh(train, model, resolve_device(train.device, 0), rep.message if use_rule else None)
@@ -123,9 +139,11 @@ def _fresh(data: Dataset, options: Options, preset: str | Preset | None, world: 
 
 
 def _rule(base: Preset, data: Dataset, options: Options, world: int, rep: Reporter,
-          speed: float | None | object = PROBE) -> DefaultsRule:
+          speed: float | None | object = PROBE, small: tuple[int, float] | None = None) -> DefaultsRule:
     """The defaults rule's decision; measures this machine's speed for a --time-budget
-    (speed PROBE), or decides at the speed given (None: unknown)."""
+    (speed PROBE: the probed size, and a small one where `defaults.small_probe` asks), or
+    decides at the speed given (None: unknown) and the small reading given (`replay`; it
+    raises _Untold when the rule wants a small reading and none was given)."""
     probe = defaults.probe_options() | options
     model, train = probe.apply(base.model, base.train, data.vocab_size)
     length = defaults.RunLength(data.split_info("train").tokens, train.time_budget, train.epochs,
@@ -133,8 +151,11 @@ def _rule(base: Preset, data: Dataset, options: Options, world: int, rep: Report
                                 model.embed, train.bptt, options.bptt is not None, train.batch_size,
                                 data.split_info("valid").tokens)
     if speed is not PROBE:
-        return defaults.decide(length, speed, options.hidden, model.hidden)
-    speed = gpu = None
+        wants = defaults.small_probe(length, speed, options.hidden, model.hidden)
+        if wants is not None and (small is None or small[0] != wants):
+            raise _Untold
+        return defaults.decide(length, speed, options.hidden, model.hidden, small=small if wants else None)
+    speed = gpu = small = None
     if defaults.needs_probe(length):
         from zlm.training import speed_probe
 
@@ -142,7 +163,11 @@ def _rule(base: Preset, data: Dataset, options: Options, world: int, rep: Report
             gpu = speed_probe.probe_gpu(model, train, options.batch_size, on_event=rep.message)
         else:
             speed = speed_probe.probe_tokens_per_s(model, train, on_event=rep.message)
-    rule = defaults.decide(length, speed, options.hidden, model.hidden, gpu)
+            wants = defaults.small_probe(length, speed, options.hidden, model.hidden)
+            if wants is not None:
+                small = (wants, speed_probe.probe_tokens_per_s(replace(model, hidden=wants), train,
+                                                               on_event=rep.message))
+    rule = defaults.decide(length, speed, options.hidden, model.hidden, gpu, small)
     rep.message(f"no --preset given: {base.name} with the defaults rule: {rule.line}; {_overrides(rule, options)}")
     return rule
 
