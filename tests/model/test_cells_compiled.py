@@ -2,9 +2,11 @@
 
 Tolerances: 1e-5 absolute in fp32, 1e-10 in fp64 (as the Python fused cell), gradcheck in
 fp64; under bf16 autocast (bf16 matrix multiplies, fp32 state) 2e-2 relative in norm on
-every output and gradient against the fp32 reference. The extension builds once per
-machine into the shared cache (`zlm.model.cells.cpu_ext.cache_root`); where a compiler
-exists a failed build fails these tests instead of skipping them.
+every output and gradient against the fp32 reference. Every test runs with both backends
+of the fp32 recurrent product: MKL's packed GEMM (where torch carries MKL) and oneDNN's
+packed linear. The extension builds once per machine into the shared cache
+(`zlm.model.cells.cpu_ext.cache_root`); where a compiler exists a failed build fails these
+tests instead of skipping them.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import pytest
 import torch
 from cell_cases import NAMES, cell_inputs, cell_outputs
 
-from zlm.model.cells import choose_cell, cpu_ext, packed_gemm
+from zlm.model.cells import choose_cell, compiled, cpu_ext, packed_gemm
 from zlm.model.cells.compiled import make_compiled_cell
 from zlm.model.cells.packed_gemm import clear_cache
 from zlm.model.cells.reference import zoneout_lstm_reference
@@ -38,6 +40,16 @@ def _fresh_caches():
     clear_cache()
     clear_workspaces()
     yield
+
+
+@pytest.fixture(autouse=True, params=["mkl", "onednn"])
+def recurrent(request, monkeypatch):
+    """The fp32 windows' recurrent product: MKL's packed GEMM, or oneDNN's packed linear."""
+    ext = cpu_ext.load_extension()
+    if request.param == "mkl" and (ext is None or not ext.mkl_packed_ready()):
+        pytest.skip("this torch carries no MKL packed GEMM")
+    monkeypatch.setattr(compiled, "USE_MKL", request.param == "mkl")
+    return request.param
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -158,7 +170,7 @@ def test_chooser_picks_the_compiled_step(cell):
 @pytest.mark.parametrize("bf16", [False, True])
 def test_time_loop_in_cpp_equals_the_python_loop(masks, grad, bf16):
     """forward_window and backward_window (the time loops in C++, fp32 or bf16 multiplies)
-    run the same oneDNN operators and the same element-wise steps as the Python loops:
+    run the same products (MKL's or oneDNN's) and the same element-wise steps as the Python loops:
     identical outputs and state gradients. In fp32 the C++ loop also writes dpre and h_prev
     transposed for oneDNN weight-gradient products (the Python loop uses torch.mm): dx and
     the weight gradients agree to 1e-5 there; db, summed step by step in C++ (the Python
@@ -171,8 +183,9 @@ def test_time_loop_in_cpp_equals_the_python_loop(masks, grad, bf16):
         pytest.skip("no compiled step here")
     if bf16 and not packed_gemm.ONEDNN_BF16:
         pytest.skip("this CPU has no native bf16: the bf16 loop stays in Python")
-    python_loop = make_compiled_cell(types.SimpleNamespace(forward_step=ext.forward_step,
-                                                           backward_step=ext.backward_step))
+    python_loop = make_compiled_cell(types.SimpleNamespace(
+        forward_step=ext.forward_step, backward_step=ext.backward_step, mkl_packed_ready=ext.mkl_packed_ready,
+        mkl_pack=ext.mkl_pack, mkl_packed_mm=ext.mkl_packed_mm))
     args, keeps = cell_inputs(9, 4, 6, 16, torch.float32, masks)
     precision = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
     with precision:
@@ -194,8 +207,6 @@ def test_window_large_enough_for_the_packed_input_projection(cell, bf16, monkeyp
     """T*B >= 2048 rows: the input projection runs as one packed oneDNN product (smaller
     windows use addmm); both agree with the reference (1e-5 fp32, 2e-2 relative in bf16).
     The weight and bias gradients sum 2048 rows here (|db| ~ 76): 1e-5 relative for them."""
-    from zlm.model.cells import compiled
-
     if not packed_gemm.ONEDNN or (bf16 and not packed_gemm.ONEDNN_BF16):
         pytest.skip("no oneDNN (bf16) here: the projection is addmm")
     tags = []
@@ -235,3 +246,40 @@ def test_bf16_pair_rounds_as_torch_and_transposes():
         assert torch.equal(out.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
         assert out[nan].isnan().all()
         assert torch.equal(out_t.view(torch.int16), out.t().contiguous().view(torch.int16))
+
+
+def test_mkl_packed_product_and_the_windows_that_use_it(recurrent, monkeypatch):
+    """MKL's packed GEMM (mkl_gemm.cpp): c = a W^T + beta c for odd shapes within 1e-5 of
+    torch.mm, through the extension and through RecurrentGemm; fp32 windows take it."""
+    if recurrent != "mkl":
+        pytest.skip("the MKL backend only")
+    ext = cpu_ext.load_extension()
+    g = torch.Generator().manual_seed(0)
+    for m, n, k in ((32, 2048, 512), (3, 7, 5), (1, 4, 1)):
+        a, w, c = (torch.randn(*s, generator=g) for s in ((m, k), (n, k), (m, n)))
+        packed = ext.mkl_pack(w, m)
+        assert packed.dtype == torch.uint8
+        out = c.clone()
+        ext.mkl_packed_mm(a, packed, 1.0, out)
+        torch.testing.assert_close(out, c + a @ w.t(), rtol=1e-5, atol=1e-5)
+        ext.mkl_packed_mm(a, packed, 0.0, out)
+        torch.testing.assert_close(out, a @ w.t(), rtol=1e-5, atol=1e-5)
+        bias = torch.randn(n, generator=g)
+        gemm = packed_gemm.RecurrentGemm(w, m, bias, backend="mkl", ext=ext)
+        torch.testing.assert_close(gemm.mm(a), a @ w.t() + bias, rtol=1e-5, atol=1e-5)
+        other = torch.randn(m, n, generator=g)
+        before = other.clone()
+        got = gemm.add(a, other, torch.empty(m, n))
+        torch.testing.assert_close(got, other + a @ w.t(), rtol=1e-5, atol=1e-5)
+        assert torch.equal(other, before)
+    with pytest.raises(RuntimeError, match="fp32"):
+        ext.mkl_pack(torch.ones(3, 4, dtype=torch.float64), 2)
+    assert compiled.recurrent_backend(ext) == "mkl"
+    backends = []
+    real = compiled.recurrent_gemm
+    monkeypatch.setattr(compiled, "recurrent_gemm", lambda *a, **k: backends.append(k.get("backend")) or real(*a, **k))
+    args, keeps = cell_inputs(5, 4, 6, 16, torch.float32, "train")
+    cell_outputs(make_compiled_cell(ext), args, keeps)
+    assert backends == ["mkl", "mkl"]  # the forward's product and the backward's
+    monkeypatch.setattr(compiled, "USE_MKL", False)
+    assert compiled.recurrent_backend(ext) == "onednn" if packed_gemm.ONEDNN else "addmm"

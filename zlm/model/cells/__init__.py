@@ -64,6 +64,10 @@ def _fused_for(device: torch.device, on_event: Callable[[str], None] | None = No
         return zoneout_lstm_fused, f"fused CPU cell in Python (as this run was started; per-step GEMM: {gemm})", "python"
     compiled, why = _compiled_cpu_cell(on_event)
     if compiled is not None:
+        from zlm.model.cells.compiled import recurrent_backend
+
+        if recurrent_backend(_compiled["ext"]) == "mkl":
+            gemm = "MKL packed GEMM for fp32" + (", oneDNN packed weights for bf16" if ONEDNN_BF16 else "")
         return compiled, f"fused CPU cell with the compiled C++ step ({why}; per-step GEMM: {gemm})", "compiled"
     return zoneout_lstm_fused, f"fused CPU cell in Python ({why}; per-step GEMM: {gemm})", "python"
 

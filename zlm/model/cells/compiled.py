@@ -6,7 +6,8 @@ Same signature, parameter layout, gate order (i, f, g, o) and pre-drawn masks as
 
 Per window (haste's layout, on the CPU):
 - forward: the input projection for all timesteps is one matrix multiply; per step one
-  recurrent multiply (oneDNN packed weights in fp32, see `zlm.model.cells.packed_gemm`)
+  recurrent multiply (in fp32 MKL's packed GEMM where torch carries MKL, else oneDNN packed
+  weights: `recurrent_backend`, `zlm.model.cells.packed_gemm`)
   and ONE call of the C++ step (zlm/model/cells/csrc/cell_steps.cpp): bias-added pre-activations -> gate
   activations -> c~, h~ -> both zoneout mixes, in one pass over memory;
 - backward: per step one C++ call (all element-wise work of the step, in one pass) and
@@ -144,9 +145,23 @@ def _input_projection(xs: Tensor, w_ih: Tensor, bias: Tensor, out: Tensor, backe
     return out
 
 
+USE_MKL = True  # fp32 windows take MKL's packed GEMM where torch has it (False: oneDNN; the tests run both)
+
+
+def recurrent_backend(ext) -> str:
+    """The backend of an fp32 window's recurrent products: "mkl" where the extension finds
+    MKL's packed GEMM in torch and oneDNN would run otherwise (in a 2-core measurement it
+    took 0.44-0.8x of the oneDNN packed linear's time per product, H 128-512, B 32:
+    docs/kernels.md), else `backend_for`'s."""
+    backend = backend_for(torch.float32, torch.device("cpu"))
+    if backend == "onednn" and USE_MKL and hasattr(ext, "mkl_packed_ready") and ext.mkl_packed_ready():
+        return "mkl"
+    return backend
+
+
 def _in_cpp(ext, gemm, name: str) -> bool:
-    """Whether the window's time loop runs in C++: packed oneDNN weights and a build with it."""
-    return gemm.backend == "onednn" and hasattr(ext, name)
+    """Whether the window's time loop runs in C++: packed weights and a build with it."""
+    return gemm.backend in ("onednn", "mkl") and hasattr(ext, name)
 
 
 def _forward(ext, x, h0, c0, w_ih, w_hh, bias, keep_c: Keep, keep_h: Keep, lp: bool, save: bool):
@@ -170,8 +185,10 @@ def _forward(ext, x, h0, c0, w_ih, w_hh, bias, keep_c: Keep, keep_h: Keep, lp: b
         ws.xp_lp = _input_projection(xs.to(BF16), w_ih, bias, ws.xp_lp, gemm.backend, save, lp)
         ws.h_lp[0].copy_(h0)
     else:
-        gemm = recurrent_gemm((w_hh,), B, "c", _same, cache=not save)  # h W_hh^T
-        ws.gates = gates = _input_projection(xs, w_ih, bias, gates, gemm.backend, save, lp)
+        backend = recurrent_backend(ext) if x.dtype == torch.float32 else None
+        gemm = recurrent_gemm((w_hh,), B, "c", _same, cache=not save, backend=backend, ext=ext)  # h W_hh^T
+        projection = "onednn" if gemm.backend == "mkl" else gemm.backend  # one large product: oneDNN's
+        ws.gates = gates = _input_projection(xs, w_ih, bias, gates, projection, save, lp)
     y_all = torch.empty(T + 1, B, H, dtype=x.dtype, device=x.device)  # returned: never pooled
     y_all[0].copy_(h0)
     c[0].copy_(c0)
@@ -204,7 +221,8 @@ def _backward(ext, ws, w_hh, y_all, keep_c, keep_h, dy, dh_T, dc_T, lp: bool):
         build = _bf16_transpose if ws.w16t is None else _given(ws.w16t)
         gemm = recurrent_gemm((w_hh,), B, "T16", build, backend=backend_for(BF16, w_hh.device))
     else:
-        gemm = recurrent_gemm((w_hh,), B, "T", _transpose)
+        backend = recurrent_backend(ext) if w_hh.dtype == torch.float32 else None
+        gemm = recurrent_gemm((w_hh,), B, "T", _transpose, backend=backend, ext=ext)
     ws.transposed, ws.db = False, None
     if _in_cpp(ext, gemm, "backward_window"):
         kc, zc = _keep_args(keep_c, slice(None))

@@ -9,6 +9,9 @@ wants:
   so no call reorders it again, and the addition of the input projection runs inside the
   same call. fp32 on the CPU, and bf16 where the CPU has native bf16 (AVX512-BF16 or AMX;
   elsewhere oneDNN has no bf16 kernels);
+- "mkl": W^T packed by MKL's packed GEMM for one batch size (`mkl_pack` of zlm's C++
+  extension, whose fp32 time loops then call MKL directly): fp32 windows of the compiled
+  cell, where torch carries MKL (`zlm.model.cells.compiled.recurrent_backend`);
 - "addmm": W^T as a contiguous (K, N) copy for `torch.addmm` (MKL): fp64, CUDA tensors, a
   torch without oneDNN, and the single-step inference path (the cell called with T = 1):
   oneDNN splits even a batch-1 product over all threads, so while another process holds a
@@ -64,11 +67,15 @@ def backend_for(dtype: torch.dtype, device: torch.device) -> str:
 class RecurrentGemm:
     """`other + a @ W^T` or `a @ W^T + bias` for one fixed weight W (N, K), small a (B, K)."""
 
-    def __init__(self, weight: Tensor, batch: int, bias: Tensor | None = None, backend: str | None = None):
+    def __init__(self, weight: Tensor, batch: int, bias: Tensor | None = None, backend: str | None = None,
+                 ext=None):
         self.backend = backend or backend_for(weight.dtype, weight.device)
         self.shape = tuple(weight.shape)  # (N, K)
         self._bias = bias  # (N,) or None
-        if self.backend == "onednn":
+        self._ext = ext  # the C++ extension ("mkl" only)
+        if self.backend == "mkl":
+            self._packed = ext.mkl_pack(weight.contiguous(), batch)  # a byte tensor, for `batch` rows
+        elif self.backend == "onednn":
             # (N, K) reordered into oneDNN's blocked layout for batch size `batch`
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), batch)
         else:
@@ -76,7 +83,7 @@ class RecurrentGemm:
 
     @property
     def packed(self) -> Tensor:
-        """The oneDNN-packed weight (backend "onednn" only), for the C++ time loop."""
+        """The packed weight (backends "onednn" and "mkl"), for the C++ time loop."""
         return self._packed
 
     def add(self, a: Tensor, other: Tensor, out: Tensor) -> Tensor:
@@ -87,12 +94,21 @@ class RecurrentGemm:
         """
         if self.backend == "onednn":
             return torch.ops.mkldnn._linear_pointwise.binary(a, other, self._packed, None, "add")
+        if self.backend == "mkl":
+            self._ext.mkl_packed_mm(a.contiguous(), self._packed, 1.0, out.copy_(other))
+            return out
         return torch.addmm(other, a, self._wt, out=out)
 
     def mm(self, a: Tensor) -> Tensor:
         """a @ W^T + bias: a (B, K) -> a new (B, N)."""
         if self.backend == "onednn":
             return torch.ops.mkldnn._linear_pointwise(a, self._packed, self._bias, "none", [], "")
+        if self.backend == "mkl":
+            out = torch.empty(a.shape[0], self.shape[0], dtype=a.dtype)
+            if self._bias is not None:
+                out.copy_(self._bias.expand_as(out))  # a fresh buffer: never the bias itself
+            self._ext.mkl_packed_mm(a.contiguous(), self._packed, 0.0 if self._bias is None else 1.0, out)
+            return out
         if self._bias is None:
             return torch.mm(a, self._wt)
         return torch.addmm(self._bias, a, self._wt)
@@ -130,6 +146,7 @@ def recurrent_gemm(
     build: Build,
     cache: bool = False,
     backend: str | None = None,
+    ext=None,
 ) -> RecurrentGemm:
     """The `RecurrentGemm` for the weight and bias `build(*sources)` returns.
 
@@ -139,16 +156,16 @@ def recurrent_gemm(
     is reused while every source is the same tensor at the same address and version and
     a probe of a few of its elements is unchanged (the probe catches writes through
     `.data`, which do not bump the version). `tag` names what `build` derives; `backend`
-    forces "addmm" (default: `backend_for`).
+    forces one (default: `backend_for`); "mkl" needs `ext`, the C++ extension that packs.
     """
     with torch.no_grad():
         if not cache:
-            return _make(sources, batch, build, backend)
+            return _make(sources, batch, build, backend, ext)
         try:
             stamps = tuple(_stamp(s) for s in sources)
         except RuntimeError:  # inference-mode tensors have no version counter: no caching
-            return _make(sources, batch, build, backend)
-        key = (tag, batch, tuple(id(s) for s in sources))
+            return _make(sources, batch, build, backend, ext)
+        key = (tag, batch, backend, tuple(id(s) for s in sources))
         hit = _cache.get(key)
         if (
             hit is not None
@@ -157,7 +174,7 @@ def recurrent_gemm(
             and all(torch.equal(view, copy) for view, copy in hit[2])
         ):
             return hit[3]
-        gemm = _make(sources, batch, build, backend)
+        gemm = _make(sources, batch, build, backend, ext)
         if len(_cache) >= _MAX_CACHED:  # drop entries whose sources are gone, then the oldest
             for k in [k for k, v in _cache.items() if any(r() is None for r in v[0])]:
                 del _cache[k]
@@ -169,9 +186,9 @@ def recurrent_gemm(
         return gemm
 
 
-def _make(sources: tuple[Tensor, ...], batch: int, build: Build, backend: str | None) -> RecurrentGemm:
+def _make(sources: tuple[Tensor, ...], batch: int, build: Build, backend: str | None, ext=None) -> RecurrentGemm:
     weight, bias = build(*sources)
-    return RecurrentGemm(weight, batch, bias, backend)
+    return RecurrentGemm(weight, batch, bias, backend, ext)
 
 
 def clear_cache() -> None:

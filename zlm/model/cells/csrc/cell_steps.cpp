@@ -22,6 +22,7 @@
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <algorithm>
@@ -346,6 +347,8 @@ void forward_window(const at::Tensor& gates, const at::Tensor& w_packed, const a
   TORCH_CHECK(!lp || (y_lp->scalar_type() == at::kBFloat16 && given(xp_lp) && xp_lp->scalar_type() == at::kBFloat16),
               "forward_window: y_lp and xp_lp bf16 together");
   const int64_t T = gates.size(0), B = gates.size(1), H = y.size(2);
+  const bool mkl = w_packed.scalar_type() == at::kByte;  // packed by mkl_pack (fp32 only)
+  TORCH_CHECK(!mkl || !lp, "forward_window: an MKL-packed weight is fp32 only");
   const c10::optional<at::Tensor> none;
   const Rows<float> kc_rows(kc, H, static_cast<float>(zc)), kh_rows(kh, H, static_cast<float>(zh));
   const Rows<float> no_rec(none, 4 * H, 0.0f);  // fp32: the recurrent part is already in pre
@@ -362,9 +365,16 @@ void forward_window(const at::Tensor& gates, const at::Tensor& w_packed, const a
       else forward_ptrs<float, uint16_t, uint16_t, false>(B, H, xp, r, g, cp, yp, kct, kht, cp + S, tcp, yp + S, out_lp);
       continue;
     }
-    const at::Tensor pre = linear_add.call(y[t], gates[t], w_packed, none, "add");  // (B, 4H)
-    if (save) forward_ptrs<float, float, float, true>(B, H, ptr<const float>(pre), no_rec.at(0), g, cp, yp, kct, kht, cp + S, tcp, yp + S, nullptr);
-    else forward_ptrs<float, float, float, false>(B, H, ptr<const float>(pre), no_rec.at(0), g, cp, yp, kct, kht, cp + S, tcp, yp + S, nullptr);
+    at::Tensor pre;
+    const float* xp = g;  // MKL: gates[t] += y[t] W_hh^T in place, the activations overwrite it
+    if (mkl) {
+      mkl_packed_addmm(yp, B, 4 * H, H, w_packed, 1.0f, g);
+    } else {
+      pre = linear_add.call(y[t], gates[t], w_packed, none, "add");  // (B, 4H)
+      xp = ptr<const float>(pre);
+    }
+    if (save) forward_ptrs<float, float, float, true>(B, H, xp, no_rec.at(0), g, cp, yp, kct, kht, cp + S, tcp, yp + S, nullptr);
+    else forward_ptrs<float, float, float, false>(B, H, xp, no_rec.at(0), g, cp, yp, kct, kht, cp + S, tcp, yp + S, nullptr);
   }
 }
 
@@ -397,7 +407,10 @@ at::Tensor backward_window(const at::Tensor& acts, const at::Tensor& tc, const a
   const c10::optional<at::Tensor> none;
   const Rows<uint16_t> zero_lp(none, H, 0);  // rec of the last step: nothing came back yet
   const Rows<float> zero_f(none, H, 0.0f);
-  at::Tensor last;
+  const bool mkl = w_packed.scalar_type() == at::kByte;  // packed by mkl_pack (fp32 only)
+  TORCH_CHECK(!mkl || !lp, "backward_window: an MKL-packed weight is fp32 only");
+  // MKL writes every step's rec into one buffer: a step reads it before its own product.
+  at::Tensor last, rec_buf = mkl ? at::empty({B, H}, acts.options()) : at::Tensor();
   for (int64_t t = T - 1; t >= 0; --t) {
     const float *a = ptr<const float>(acts) + t * G, *tct = ptr<const float>(tc) + t * S;
     const float* ct = ptr<const float>(c) + t * S;
@@ -415,7 +428,12 @@ at::Tensor backward_window(const at::Tensor& acts, const at::Tensor& tc, const a
     }
     if (given(dgates_t)) transpose_into(ptr<const float>(d), B, 4 * H, ptr<float>(dgates_t), T * B, t * B);
     if (given(y)) transpose_into(ptr<const float>(y) + t * S, B, H, ptr<float>(y_t), T * B, t * B);
-    last = packed_mm(d, w_packed);
+    if (mkl) {
+      mkl_packed_addmm(ptr<const float>(d), B, H, 4 * H, w_packed, 0.0f, ptr<float>(rec_buf));
+      last = rec_buf;
+    } else {
+      last = packed_mm(d, w_packed);
+    }
   }
   return last;
 }

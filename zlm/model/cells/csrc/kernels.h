@@ -118,6 +118,13 @@ at::Tensor backward_window(const at::Tensor& acts, const at::Tensor& tc, const a
                            const c10::optional<at::Tensor>& y_t, const c10::optional<at::Tensor>& db);
 void bf16_pair(const at::Tensor& w, const at::Tensor& out, const at::Tensor& out_t);
 
+// ---------------------------------------------------------------- mkl_gemm.cpp
+bool mkl_packed_ready();
+at::Tensor mkl_pack(const at::Tensor& w, int64_t m);
+void mkl_packed_addmm(const float* a, int64_t m, int64_t n, int64_t k, const at::Tensor& packed, float beta,
+                      float* c);
+void mkl_packed_mm(const at::Tensor& a, const at::Tensor& packed, double beta, const at::Tensor& c);
+
 // ---------------------------------------------------------------- mask_draw.cpp
 void draw_mask(const at::Tensor& seed, int64_t below, const at::Tensor& out);
 

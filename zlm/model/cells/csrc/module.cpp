@@ -15,6 +15,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "a window's forward time loop (fp32 or bf16 multiplies, packed oneDNN weight)");
   m.def("backward_window", &zlm::backward_window,
         "a window's backward time loop (fp32 or bf16 multiplies, packed oneDNN weight)");
+  m.def("mkl_packed_ready", &zlm::mkl_packed_ready, "whether torch carries MKL's packed GEMM (mkl_gemm.cpp)");
+  m.def("mkl_pack", &zlm::mkl_pack, "W (N, K) fp32 -> MKL's packed W^T for products with M rows, a byte tensor");
+  m.def("mkl_packed_mm", &zlm::mkl_packed_mm, "c = a W^T + beta c with W packed by mkl_pack, into c");
   m.def("bf16_pair", &zlm::bf16_pair, "fp32 (N, K) -> bf16 (N, K) and its transpose (K, N), in one pass");
   m.def("draw_mask", &zlm::draw_mask, "a zoneout keep mask of the mix16 draw (masks.py)");
   m.def("draw", &zlm::draw, "one token per row by inverse CDF (sampling)");
