@@ -49,6 +49,7 @@ def recurrent(request, monkeypatch):
     if request.param == "mkl" and (ext is None or not ext.mkl_packed_ready()):
         pytest.skip("this torch carries no MKL packed GEMM")
     monkeypatch.setattr(compiled, "USE_MKL", request.param == "mkl")
+    monkeypatch.setattr(compiled, "cpu_vendor", lambda: "GenuineIntel")  # MKL's path runs on any x86 here
     return request.param
 
 
@@ -281,5 +282,9 @@ def test_mkl_packed_product_and_the_windows_that_use_it(recurrent, monkeypatch):
     args, keeps = cell_inputs(5, 4, 6, 16, torch.float32, "train")
     cell_outputs(make_compiled_cell(ext), args, keeps)
     assert backends == ["mkl", "mkl"]  # the forward's product and the backward's
+    other = "onednn" if packed_gemm.ONEDNN else "addmm"
+    monkeypatch.setattr(compiled, "cpu_vendor", lambda: "AuthenticAMD")  # unmeasured there: oneDNN
+    assert compiled.recurrent_backend(ext) == other
+    monkeypatch.setattr(compiled, "cpu_vendor", lambda: "GenuineIntel")
     monkeypatch.setattr(compiled, "USE_MKL", False)
-    assert compiled.recurrent_backend(ext) == "onednn" if packed_gemm.ONEDNN else "addmm"
+    assert compiled.recurrent_backend(ext) == other

@@ -106,11 +106,12 @@ def test_cpu_name_and_flags_from_cpuinfo(tmp_path, monkeypatch):
     info.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R) Processor\n"
                     "flags\t\t: fpu avx2 fma avx512_bf16 amx_bf16\n\nprocessor\t: 1\nmodel name\t: other\n")
     monkeypatch.setattr(cpu_ext, "CPUINFO", info)
-    assert cpu_ext.cpu_name() == "Intel(R) Xeon(R) Processor"
+    assert cpu_ext.cpu_name() == "Intel(R) Xeon(R) Processor" and cpu_ext.cpu_vendor() == "GenuineIntel"
     assert cpu_ext.cpu_flags() == {"fpu", "avx2", "fma", "avx512_bf16", "amx_bf16"}
     monkeypatch.setattr(cpu_ext, "CPUINFO", tmp_path / "absent")
     monkeypatch.setattr(cpu_ext.platform, "processor", lambda: "")
     assert cpu_ext.cpu_flags() == set() and cpu_ext.cpu_name() == cpu_ext.platform.machine()
+    assert cpu_ext.cpu_vendor() == ""
 
 
 def test_cache_root_follows_env(monkeypatch, tmp_path):

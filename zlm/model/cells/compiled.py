@@ -37,6 +37,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from zlm.model.cells.cpu_ext import cpu_vendor
 from zlm.model.cells.masks import Keep
 from zlm.model.cells.packed_gemm import backend_for, mm_nt, recurrent_gemm
 from zlm.model.cells.workspace import take_workspace
@@ -149,12 +150,14 @@ USE_MKL = True  # fp32 windows take MKL's packed GEMM where torch has it (False:
 
 
 def recurrent_backend(ext) -> str:
-    """The backend of an fp32 window's recurrent products: "mkl" where the extension finds
-    MKL's packed GEMM in torch and oneDNN would run otherwise (in a 2-core measurement it
-    took 0.44-0.8x of the oneDNN packed linear's time per product, H 128-512, B 32:
-    docs/kernels.md), else `backend_for`'s."""
+    """The backend of an fp32 window's recurrent products: "mkl" on an Intel CPU where the
+    extension finds MKL's packed GEMM in torch and oneDNN would run otherwise (on an Intel
+    Xeon the whole window ran 1.05-1.5x faster: docs/kernels.md), else `backend_for`'s.
+    Other vendors' CPUs keep oneDNN: MKL is unmeasured there, and its unpacked product was
+    1.5-1.7x slower than oneDNN's packed one on an AMD EPYC, against 1.2x on the Xeon."""
     backend = backend_for(torch.float32, torch.device("cpu"))
-    if backend == "onednn" and USE_MKL and hasattr(ext, "mkl_packed_ready") and ext.mkl_packed_ready():
+    if (backend == "onednn" and USE_MKL and hasattr(ext, "mkl_packed_ready") and ext.mkl_packed_ready()
+            and cpu_vendor() == "GenuineIntel"):
         return "mkl"
     return backend
 

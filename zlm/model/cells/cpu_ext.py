@@ -84,6 +84,12 @@ def cpu_name() -> str:
     return _cpuinfo("model name") or platform.processor() or platform.machine() or "unknown CPU"
 
 
+def cpu_vendor() -> str:
+    """The CPU's vendor id ("GenuineIntel", "AuthenticAMD"), or "" where /proc/cpuinfo does
+    not say."""
+    return _cpuinfo("vendor_id") or ""
+
+
 def instruction_set(flags: set[str] | None = None) -> str:
     """'avx512bf16', 'avx512', 'avx2' or 'base': the widest set both this CPU and the flags
     above cover."""
