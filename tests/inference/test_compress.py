@@ -267,6 +267,31 @@ def test_static_coding_runs_the_decoder_on_every_core_and_older_files_still_deco
     assert decompress_bytes(lm, legacy, "f")[0] == data
 
 
+def test_an_adapt_file_names_the_cells_recurrent_product(lms, monkeypatch):
+    """--adapt runs the model's cell over windows on both sides: a file coded where its fp32
+    product is MKL's says so in its kernel id and is refused, in one line, where the product
+    is oneDNN's (the arithmetic differs); with oneDNN's the id is what it was before the MKL
+    path existed, so such files still decode."""
+    import zlm.inference.compress as compress
+    from zlm.model.cells import compiled, cpu_ext
+
+    ext = cpu_ext.load_extension()
+    if ext is None or not ext.mkl_packed_ready():
+        pytest.skip("no MKL packed GEMM here")
+    monkeypatch.setattr(compiled, "cpu_vendor", lambda: "GenuineIntel")
+    lm, data = lms["char"], shakespeare_text(1200).encode()
+    blob, _ = compress_bytes(lm, data, ADAPT)
+    assert Header.unpack(blob, "f")[0].kernel == compress.kernel_id("fp32", "cpp", True)
+    assert compress.kernel_path("cpp", True) == compress.kernel_path("cpp") + " cell-mkl"
+    assert decompress_bytes(lm, blob, "f")[0] == data
+    monkeypatch.setattr(compiled, "USE_MKL", False)
+    with pytest.raises(CompressedFileError, match="another kernel path"):
+        decompress_bytes(lm, blob, "f")
+    assert compress.kernel_id("fp32", "cpp", True) == compress.kernel_id("fp32", "cpp")
+    onednn, _ = compress_bytes(lm, data, ADAPT)
+    assert decompress_bytes(lm, onednn, "f")[0] == data
+
+
 def test_refuses_damage_truncation_and_another_model(lms, tmp_path):
     lm = lms["char"]
     data = shakespeare_text(2000).encode()
