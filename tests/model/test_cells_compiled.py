@@ -249,12 +249,23 @@ def test_bf16_pair_rounds_as_torch_and_transposes():
         assert torch.equal(out_t.view(torch.int16), out.t().contiguous().view(torch.int16))
 
 
-def test_mkl_packed_product_and_the_windows_that_use_it(recurrent, monkeypatch):
-    """MKL's packed GEMM (mkl_gemm.cpp): c = a W^T + beta c for odd shapes within 1e-5 of
-    torch.mm, through the extension and through RecurrentGemm; fp32 windows take it."""
-    if recurrent != "mkl":
-        pytest.skip("the MKL backend only")
+def test_the_windows_take_the_chosen_recurrent_product(recurrent, monkeypatch):
+    """fp32 windows run the backend `recurrent_backend` names (MKL's packed GEMM on an Intel
+    CPU whose torch has it, else oneDNN's), forward and backward; MKL's product (mkl_gemm.cpp):
+    c = a W^T + beta c for odd shapes within 1e-5 of torch.mm, through the extension and
+    through RecurrentGemm."""
     ext = cpu_ext.load_extension()
+    other = "onednn" if packed_gemm.ONEDNN else "addmm"
+    want = "mkl" if recurrent == "mkl" else other
+    assert compiled.recurrent_backend(ext) == want
+    backends = []
+    real = compiled.recurrent_gemm
+    monkeypatch.setattr(compiled, "recurrent_gemm", lambda *a, **k: backends.append(k.get("backend")) or real(*a, **k))
+    args, keeps = cell_inputs(5, 4, 6, 16, torch.float32, "train")
+    cell_outputs(make_compiled_cell(ext), args, keeps)
+    assert backends == [want, want]  # the forward's product and the backward's
+    if recurrent != "mkl":
+        return
     g = torch.Generator().manual_seed(0)
     for m, n, k in ((32, 2048, 512), (3, 7, 5), (1, 4, 1)):
         a, w, c = (torch.randn(*s, generator=g) for s in ((m, k), (n, k), (m, n)))
@@ -268,23 +279,12 @@ def test_mkl_packed_product_and_the_windows_that_use_it(recurrent, monkeypatch):
         bias = torch.randn(n, generator=g)
         gemm = packed_gemm.RecurrentGemm(w, m, bias, backend="mkl", ext=ext)
         torch.testing.assert_close(gemm.mm(a), a @ w.t() + bias, rtol=1e-5, atol=1e-5)
-        other = torch.randn(m, n, generator=g)
-        before = other.clone()
-        got = gemm.add(a, other, torch.empty(m, n))
-        torch.testing.assert_close(got, other + a @ w.t(), rtol=1e-5, atol=1e-5)
-        assert torch.equal(other, before)
+        other_t = torch.randn(m, n, generator=g)
+        before = other_t.clone()
+        got = gemm.add(a, other_t, torch.empty(m, n))
+        torch.testing.assert_close(got, other_t + a @ w.t(), rtol=1e-5, atol=1e-5)
+        assert torch.equal(other_t, before)
     with pytest.raises(RuntimeError, match="fp32"):
         ext.mkl_pack(torch.ones(3, 4, dtype=torch.float64), 2)
-    assert compiled.recurrent_backend(ext) == "mkl"
-    backends = []
-    real = compiled.recurrent_gemm
-    monkeypatch.setattr(compiled, "recurrent_gemm", lambda *a, **k: backends.append(k.get("backend")) or real(*a, **k))
-    args, keeps = cell_inputs(5, 4, 6, 16, torch.float32, "train")
-    cell_outputs(make_compiled_cell(ext), args, keeps)
-    assert backends == ["mkl", "mkl"]  # the forward's product and the backward's
-    other = "onednn" if packed_gemm.ONEDNN else "addmm"
     monkeypatch.setattr(compiled, "cpu_vendor", lambda: "AuthenticAMD")  # unmeasured there: oneDNN
-    assert compiled.recurrent_backend(ext) == other
-    monkeypatch.setattr(compiled, "cpu_vendor", lambda: "GenuineIntel")
-    monkeypatch.setattr(compiled, "USE_MKL", False)
     assert compiled.recurrent_backend(ext) == other
