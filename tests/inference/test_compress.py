@@ -278,7 +278,7 @@ def test_an_adapt_file_names_the_cells_recurrent_product(lms, monkeypatch):
     ext = cpu_ext.load_extension()
     if ext is None or not ext.mkl_packed_ready():
         pytest.skip("no MKL packed GEMM here")
-    monkeypatch.setattr(compiled, "cpu_vendor", lambda: "GenuineIntel")
+    monkeypatch.setattr(compiled, "_on_intel", lambda: True)
     lm, data = lms["char"], shakespeare_text(1200).encode()
     blob, _ = compress_bytes(lm, data, ADAPT)
     assert Header.unpack(blob, "f")[0].kernel == compress.kernel_id("fp32", "cpp", True)

@@ -49,7 +49,7 @@ def recurrent(request, monkeypatch):
     if request.param == "mkl" and (ext is None or not ext.mkl_packed_ready()):
         pytest.skip("this torch carries no MKL packed GEMM")
     monkeypatch.setattr(compiled, "USE_MKL", request.param == "mkl")
-    monkeypatch.setattr(compiled, "cpu_vendor", lambda: "GenuineIntel")  # MKL's path runs on any x86 here
+    monkeypatch.setattr(compiled, "_on_intel", lambda: True)  # MKL's path runs on any x86 here
     return request.param
 
 
@@ -286,5 +286,5 @@ def test_the_windows_take_the_chosen_recurrent_product(recurrent, monkeypatch):
         assert torch.equal(other_t, before)
     with pytest.raises(RuntimeError, match="fp32"):
         ext.mkl_pack(torch.ones(3, 4, dtype=torch.float64), 2)
-    monkeypatch.setattr(compiled, "cpu_vendor", lambda: "AuthenticAMD")  # unmeasured there: oneDNN
+    monkeypatch.setattr(compiled, "_on_intel", lambda: False)  # unmeasured there: oneDNN
     assert compiled.recurrent_backend(ext) == other

@@ -216,7 +216,7 @@ def speed_at(length: RunLength, hidden: int, tokens_per_s: float, probe_hidden: 
     it beyond them (from the nearer reading); with one reading, proportional throughout.
     A small model's fixed costs per step (the time loop, the element-wise work, the
     optimizer's launches) do not shrink with its parameters: scaled from 1x512, a 1x128
-    model on 2 CPU cores was predicted 2.5-4x faster than it trains (docs/defaults-rule.md).
+    model on 2 CPU cores was predicted 1.4-3.9x faster than it trains (docs/defaults-rule.md).
     A small reading slower than the large one is taken as equal to it."""
     def count(h: int) -> float:
         return float(parameters(length.vocab_size, h, length.embed))

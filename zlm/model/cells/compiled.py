@@ -34,6 +34,8 @@ Backward of one step (d = keep, n = 1 - keep; dh, dc the gradients of the zoned 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -156,10 +158,15 @@ def recurrent_backend(ext) -> str:
     Other vendors' CPUs keep oneDNN: MKL is unmeasured there, and its unpacked product was
     1.5-1.7x slower than oneDNN's packed one on an AMD EPYC, against 1.2x on the Xeon."""
     backend = backend_for(torch.float32, torch.device("cpu"))
-    if (backend == "onednn" and USE_MKL and hasattr(ext, "mkl_packed_ready") and ext.mkl_packed_ready()
-            and cpu_vendor() == "GenuineIntel"):
+    if backend == "onednn" and USE_MKL and hasattr(ext, "mkl_packed_ready") and ext.mkl_packed_ready() and _on_intel():
         return "mkl"
     return backend
+
+
+@functools.cache
+def _on_intel() -> bool:
+    """Whether this is an Intel CPU (read once: every window asks)."""
+    return cpu_vendor() == "GenuineIntel"
 
 
 def _in_cpp(ext, gemm, name: str) -> bool:
