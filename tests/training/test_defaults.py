@@ -459,11 +459,15 @@ def test_the_second_reading_is_asked_for_only_when_the_rule_would_choose_below_t
     assert defaults.small_probe(short, XEON_V65[512], None) == defaults.SMALL_PROBE_HIDDEN
     assert defaults.choose_hidden(long, XEON_V65[512]) == 512 and defaults.small_probe(long, XEON_V65[512], None) is None
     assert defaults.small_probe(short, XEON_V65[512], hidden=128) is None  # --hidden: the probe timed that size
-    # The reading moves the choice: 2.5 minutes buy 1x384 10 tokens a parameter at the
-    # parameter-scaled speed, not at the measured one.
+    # The reading does not move the size (chosen at the parameter-scaled speed), only the
+    # passes expected of it: 2.5 minutes buy 1x384 on tiny Shakespeare either way, for 6.3
+    # passes on the line through the two readings and 7.6 scaled.
     mid = RunLength(1_003_854, time_budget=150.0, vocab_size=65)
-    assert defaults.choose_hidden(mid, XEON_V65[512]) == 384
-    assert defaults.choose_hidden(mid, XEON_V65[512], small=(128, XEON_V65[128])) == 256
+    one, two = decide(mid, XEON_V65[512]), decide(mid, XEON_V65[512], small=(128, XEON_V65[128]))
+    assert one.settings.hidden == two.settings.hidden == 384
+    assert two.expected_epochs == pytest.approx(150 * 0.9 * defaults.speed_at(
+        mid, 384, XEON_V65[512], small=(128, XEON_V65[128])) / 1_003_854)
+    assert 6.0 < two.expected_epochs < one.expected_epochs
     assert defaults.small_probe(RunLength(1_003_854, epochs=3.0, vocab_size=65), None, None) is None
     assert defaults.small_probe(short, XEON_V65[512], None, probe_hidden=128) is None
 

@@ -7,13 +7,13 @@ wins. `decide` is a pure function of what the planner measured (`RunLength` and 
 probe's tokens/s) and returns a `DefaultsRule` whose settings are typed `Options`:
 
     size    the largest of HIDDEN_SIZES that trains on at least TOKENS_PER_PARAMETER
-            tokens per parameter in this run (`speed_at`: a model of H units is taken to
-            run at the probed speed x parameters at PROBE_HIDDEN / parameters at H; when
-            that picks a size below PROBE_HIDDEN the probe also times SMALL_PROBE_HIDDEN,
-            whose fixed per-step costs parameter scaling misses, and the time per token
-            between the two readings is linear in the parameter count)
+            tokens per parameter in this run (a model of H units is taken to run at the
+            probed speed x parameters at PROBE_HIDDEN / parameters at H)
     E       expected passes = tokens the run buys for that size / train tokens, where a
-            time budget buys budget x (1 - VALIDATION_SHARE) x tokens/s
+            time budget buys budget x (1 - VALIDATION_SHARE) x tokens/s; for a size below
+            PROBE_HIDDEN the probe also times SMALL_PROBE_HIDDEN, whose fixed per-step
+            costs parameter scaling misses, and the time per token between the two
+            readings is linear in the parameter count (`speed_at`)
     zoneout grows smoothly with E, linearly in log E: none up to ZONEOUT_FROM passes
             (torch's LSTM kernel runs then), ZONEOUT_CELL / ZONEOUT_HIDDEN from ZONEOUT_FULL
             passes on (`zoneout_strength`): no cliff, the more passes the more regularisation
@@ -255,13 +255,16 @@ def expected_epochs(length: RunLength, tokens_per_s: float | None, hidden: int =
     return None if tokens is None else tokens / max(length.train_tokens, 1)
 
 
-def choose_hidden(length: RunLength, tokens_per_s: float | None, probe_hidden: int = PROBE_HIDDEN,
-                  small: tuple[int, float] | None = None) -> int:
+def choose_hidden(length: RunLength, tokens_per_s: float | None, probe_hidden: int = PROBE_HIDDEN) -> int:
     """The largest of HIDDEN_SIZES that trains on TOKENS_PER_PARAMETER tokens per parameter
     or more in this run (a bigger model would stop far from converged, a smaller one
-    would waste the run), the smallest when none does."""
+    would waste the run), the smallest when none does. The speeds are the probe's reading
+    scaled by parameter count, as when TOKENS_PER_PARAMETER was set, not the small reading:
+    the plans a short budget gets below PROBE_HIDDEN are mostly plain LSTMs in a longer
+    window, which run faster than the probe's zoneout cell at bptt 25, and a choice made
+    with the small reading took a smaller model that did worse (docs/defaults-rule.md)."""
     for hidden in reversed(HIDDEN_SIZES):
-        tokens = run_tokens(length, hidden, tokens_per_s, probe_hidden, small)
+        tokens = run_tokens(length, hidden, tokens_per_s, probe_hidden)
         if tokens >= TOKENS_PER_PARAMETER * parameters(length.vocab_size, hidden, length.embed):
             return hidden
     return HIDDEN_SIZES[0]
@@ -270,10 +273,8 @@ def choose_hidden(length: RunLength, tokens_per_s: float | None, probe_hidden: i
 def small_probe(length: RunLength, tokens_per_s: float | None, hidden: int | None,
                 probe_hidden: int = PROBE_HIDDEN) -> int | None:
     """The second size the probe should time (None: no second reading is needed): when the
-    rule chooses the size (no --hidden) under a time budget, and the probe's one reading
-    scaled by parameter count picks a size below the probed one, the rule measures
-    SMALL_PROBE_HIDDEN too. (Sizes from the probed one up are scaled the same with or
-    without it, so a choice there stands.)"""
+    rule chooses the size (no --hidden) under a time budget and picks one below the probed
+    size, the rule measures SMALL_PROBE_HIDDEN too, for that size's expected passes."""
     if hidden is not None or not tokens_per_s or length.time_budget is None or probe_hidden <= SMALL_PROBE_HIDDEN:
         return None
     return SMALL_PROBE_HIDDEN if choose_hidden(length, tokens_per_s, probe_hidden) < probe_hidden else None
@@ -294,7 +295,7 @@ def decide(length: RunLength, tokens_per_s: float | None = None, hidden: int | N
     if not length.known:
         return DefaultsRule("open", None, tokens_per_s, Options(), "no --time-budget, --epochs or --max-steps: "
                             "the cpu-small preset as it is (regularised, constant lr)")
-    size = hidden if hidden is not None else choose_hidden(length, tokens_per_s, probe_hidden, small)
+    size = hidden if hidden is not None else choose_hidden(length, tokens_per_s, probe_hidden)
     epochs = expected_epochs(length, tokens_per_s, size, probe_hidden, small)
     regime, window = regime_for(epochs)
     settings = window | zoneout_for(epochs) | Options(average=AVERAGE_SHARE, on_overfit=ON_OVERFIT)
