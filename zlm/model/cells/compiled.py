@@ -12,7 +12,7 @@ Per window (haste's layout, on the CPU):
   activations -> c~, h~ -> both zoneout mixes, in one pass over memory;
 - backward: per step one C++ call (all element-wise work of the step, in one pass) and
   one recurrent multiply; dW_ih, dW_hh, db and dx are one multiply or reduction each.
-- with oneDNN-packed recurrent weights (fp32; bf16 where the CPU has native bf16) the
+- with packed recurrent weights (fp32: MKL's or oneDNN's; bf16 where the CPU has native bf16) the
   time loops themselves run in C++ (`forward_window`, `backward_window`: the same
   operator calls and element-wise steps in the same order, so the same numbers as the
   Python loops, without the interpreter's cost per step); fp64, and bf16 on other CPUs

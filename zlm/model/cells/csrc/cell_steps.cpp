@@ -1,12 +1,13 @@
 // The training cell's C++ work on the CPU (zlm/model/cells/compiled.py calls it): the
 // element-wise step of the zoneout LSTM forward and backward, the time loops of a window
-// with oneDNN-packed weights, and the bf16 conversion of the recurrent weight.
+// with packed weights, and the bf16 conversion of the recurrent weight.
 //
 // The recurrent matrix multiplies stay in torch (oneDNN/MKL); forward_step and
 // backward_step do everything else of one timestep in one pass over memory, vectorised over
-// the hidden units and split over the batch rows with at::parallel_for. With oneDNN-packed
-// weights (fp32, or bf16 on CPUs with native bf16) the time loops (forward_window,
-// backward_window) run here too, calling the same oneDNN operator the Python loop calls.
+// the hidden units and split over the batch rows with at::parallel_for. With packed weights
+// (fp32: MKL's packed GEMM, mkl_gemm.cpp, or oneDNN's; bf16 on CPUs with native bf16:
+// oneDNN's) the time loops (forward_window, backward_window) run here too, calling the same
+// product the Python loop calls.
 //
 // Shapes (B batch rows, H units; gate blocks i, f, g, o as in torch.nn.LSTM):
 //   xp   (B, 4H) S, or bf16 with a bf16 rec   input projection of this step, bias included
@@ -321,10 +322,11 @@ void bf16_pair(const at::Tensor& w, const at::Tensor& out, const at::Tensor& out
   });
 }
 
-// The time loop of a window's forward with the recurrent weight packed by oneDNN
-// (zlm/model/cells/packed_gemm.py); moving the loop here saves the interpreter's per-step
-// cost (two calls, six views). fp32 (y_lp absent): per step pre = gates[t] + y[t] W_hh^T in
-// one oneDNN call (the same operator the Python loop calls), then forward_step's
+// The time loop of a window's forward with the recurrent weight packed by oneDNN, or in fp32
+// by MKL (a byte tensor from mkl_pack; zlm/model/cells/packed_gemm.py); moving the loop here
+// saves the interpreter's per-step cost (two calls, six views). fp32 (y_lp absent): per step
+// pre = gates[t] + y[t] W_hh^T in one call (MKL: into gates[t] itself; the same product the
+// Python loop calls), then forward_step's
 // element-wise work. bf16 (y_lp and xp_lp given, W_hh packed in bf16): per step
 // rec = y_lp[t] W_hh^T in bf16 (fp32 accumulation inside oneDNN), then the element-wise step
 // adds xp_lp[t] and rec in fp32, writes the activations to gates[t], y[t+1] and its bf16
@@ -378,8 +380,8 @@ void forward_window(const at::Tensor& gates, const at::Tensor& w_packed, const a
   }
 }
 
-// The backward time loop with W_hh^T packed by oneDNN: per step (from T-1 down)
-// backward_step's element-wise work, then rec = dpre W_hh in one oneDNN call. fp32, or bf16
+// The backward time loop with W_hh^T packed by oneDNN (or in fp32 by MKL): per step (from
+// T-1 down) backward_step's element-wise work, then rec = dpre W_hh in one call. fp32, or bf16
 // when dgates is bf16 (W_hh^T packed in bf16; rec and dpre bf16, the state gradients
 // carry and dc fp32). Returns the last rec (B, H), the gradient reaching h0 through W_hh
 // (the caller adds carry).

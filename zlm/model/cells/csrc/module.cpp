@@ -12,9 +12,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward_step", &zlm::forward_step, "one timestep forward, in place into the given buffers");
   m.def("backward_step", &zlm::backward_step, "one timestep backward, in place into the given buffers");
   m.def("forward_window", &zlm::forward_window,
-        "a window's forward time loop (fp32 or bf16 multiplies, packed oneDNN weight)");
+        "a window's forward time loop (fp32 or bf16 multiplies, a weight packed by oneDNN or MKL)");
   m.def("backward_window", &zlm::backward_window,
-        "a window's backward time loop (fp32 or bf16 multiplies, packed oneDNN weight)");
+        "a window's backward time loop (fp32 or bf16 multiplies, a weight packed by oneDNN or MKL)");
   m.def("mkl_packed_ready", &zlm::mkl_packed_ready, "whether torch carries MKL's packed GEMM (mkl_gemm.cpp)");
   m.def("mkl_pack", &zlm::mkl_pack, "W (N, K) fp32 -> MKL's packed W^T for products with M rows, a byte tensor");
   m.def("mkl_packed_mm", &zlm::mkl_packed_mm, "c = a W^T + beta c with W packed by mkl_pack, into c");
