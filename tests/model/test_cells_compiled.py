@@ -2,8 +2,9 @@
 
 Tolerances: 1e-5 absolute in fp32, 1e-10 in fp64 (as the Python fused cell), gradcheck in
 fp64; under bf16 autocast (bf16 matrix multiplies, fp32 state) 2e-2 relative in norm on
-every output and gradient against the fp32 reference. Every test runs with both backends
-of the fp32 recurrent product: MKL's packed GEMM (where torch carries MKL) and oneDNN's
+every output and gradient against the fp32 reference. Every test runs with both sets of
+backends of the recurrent product: the vendors' micro-kernels (fp32: MKL's packed GEMM where
+torch carries MKL; bf16: oneDNN's AMX micro-kernel where the CPU has AMX) and oneDNN's
 packed linear. The extension builds once per machine into the shared cache
 (`zlm.model.cells.cpu_ext.cache_root`); where a compiler exists a failed build fails these
 tests instead of skipping them.
@@ -42,13 +43,15 @@ def _fresh_caches():
     yield
 
 
-@pytest.fixture(autouse=True, params=["mkl", "onednn"])
+@pytest.fixture(autouse=True, params=["mkl+amx", "onednn"])
 def recurrent(request, monkeypatch):
-    """The fp32 windows' recurrent product: MKL's packed GEMM, or oneDNN's packed linear."""
+    """The windows' recurrent product: MKL's packed GEMM (fp32) and AMX's micro-kernel (bf16),
+    where they exist, or oneDNN's packed linear for both."""
     ext = cpu_ext.load_extension()
-    if request.param == "mkl" and (ext is None or not ext.mkl_packed_ready()):
-        pytest.skip("this torch carries no MKL packed GEMM")
-    monkeypatch.setattr(compiled, "USE_MKL", request.param == "mkl")
+    if request.param == "mkl+amx" and (ext is None or not (ext.mkl_packed_ready() or ext.amx_ready())):
+        pytest.skip("neither MKL's packed GEMM nor AMX here")
+    monkeypatch.setattr(compiled, "USE_MKL", request.param == "mkl+amx")
+    monkeypatch.setattr(compiled, "USE_AMX", request.param == "mkl+amx")
     monkeypatch.setattr(compiled, "_on_intel", lambda: True)  # MKL's path runs on any x86 here
     return request.param
 
@@ -171,7 +174,7 @@ def test_chooser_picks_the_compiled_step(cell):
 @pytest.mark.parametrize("bf16", [False, True])
 def test_time_loop_in_cpp_equals_the_python_loop(masks, grad, bf16):
     """forward_window and backward_window (the time loops in C++, fp32 or bf16 multiplies)
-    run the same products (MKL's or oneDNN's) and the same element-wise steps as the Python loops:
+    run the same products (MKL's, AMX's or oneDNN's) and the same element-wise steps as the Python loops:
     identical outputs and state gradients. In fp32 the C++ loop also writes dpre and h_prev
     transposed for oneDNN weight-gradient products (the Python loop uses torch.mm): dx and
     the weight gradients agree to 1e-5 there; db, summed step by step in C++ (the Python
@@ -186,7 +189,8 @@ def test_time_loop_in_cpp_equals_the_python_loop(masks, grad, bf16):
         pytest.skip("this CPU has no native bf16: the bf16 loop stays in Python")
     python_loop = make_compiled_cell(types.SimpleNamespace(
         forward_step=ext.forward_step, backward_step=ext.backward_step, mkl_packed_ready=ext.mkl_packed_ready,
-        mkl_pack=ext.mkl_pack, mkl_packed_mm=ext.mkl_packed_mm))
+        mkl_pack=ext.mkl_pack, mkl_packed_mm=ext.mkl_packed_mm, amx_ready=ext.amx_ready, amx_pack=ext.amx_pack,
+        amx_mm=ext.amx_mm))
     args, keeps = cell_inputs(9, 4, 6, 16, torch.float32, masks)
     precision = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
     with precision:
@@ -256,7 +260,7 @@ def test_the_windows_take_the_chosen_recurrent_product(recurrent, monkeypatch):
     through RecurrentGemm."""
     ext = cpu_ext.load_extension()
     other = "onednn" if packed_gemm.ONEDNN else "addmm"
-    want = "mkl" if recurrent == "mkl" else other
+    want = "mkl" if recurrent == "mkl+amx" and ext.mkl_packed_ready() else other
     assert compiled.recurrent_backend(ext) == want
     backends = []
     real = compiled.recurrent_gemm
@@ -264,7 +268,7 @@ def test_the_windows_take_the_chosen_recurrent_product(recurrent, monkeypatch):
     args, keeps = cell_inputs(5, 4, 6, 16, torch.float32, "train")
     cell_outputs(make_compiled_cell(ext), args, keeps)
     assert backends == [want, want]  # the forward's product and the backward's
-    if recurrent != "mkl":
+    if want != "mkl":
         return
     g = torch.Generator().manual_seed(0)
     for m, n, k in ((32, 2048, 512), (3, 7, 5), (1, 4, 1)):
@@ -288,3 +292,57 @@ def test_the_windows_take_the_chosen_recurrent_product(recurrent, monkeypatch):
         ext.mkl_pack(torch.ones(3, 4, dtype=torch.float64), 2)
     monkeypatch.setattr(compiled, "_on_intel", lambda: False)  # unmeasured there: oneDNN
     assert compiled.recurrent_backend(ext) == other
+
+
+@pytest.mark.parametrize("hidden", [16, 64, 512, 24, 528])
+def test_bf16_windows_take_amx_for_small_models(recurrent, hidden, monkeypatch):
+    """bf16 windows run AMX's micro-kernel where the CPU has it, for H a multiple of 16 up
+    to AMX_MAX_HIDDEN (else oneDNN's packed linear), forward and backward, and stay within
+    2e-2 of the fp32 reference."""
+    ext = cpu_ext.load_extension()
+    if not packed_gemm.ONEDNN_BF16:
+        pytest.skip("this CPU has no native bf16: the bf16 loop stays in Python")
+    amx = recurrent == "mkl+amx" and ext.amx_ready() and hidden % 16 == 0 and hidden <= compiled.AMX_MAX_HIDDEN
+    want = "amx" if amx else "onednn"
+    assert compiled.recurrent_backend(ext, torch.bfloat16, hidden) == want
+    backends = []
+    real = compiled.recurrent_gemm
+    monkeypatch.setattr(compiled, "recurrent_gemm", lambda *a, **k: backends.append(k.get("backend")) or real(*a, **k))
+    args, keeps = cell_inputs(4, 3, 8, hidden, torch.float32, "train")
+    want_out = cell_outputs(zoneout_lstm_reference, args, keeps)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = cell_outputs(make_compiled_cell(ext), args, keeps)
+    assert backends == [want, want]  # the forward's product and the backward's
+    for name, a, b in zip(NAMES, got, want_out, strict=True):
+        rel = ((a - b).norm() / b.norm()).item()
+        assert rel < BF16_REL, f"{name}: {rel:.3g}"
+
+
+def test_amx_product_matches_torch():
+    """AMX's product (amx_gemm.cpp): a (M, K) bf16 x B (K, N) bf16 -> fp32, against the same
+    product in fp32 (1e-5 relative: both sum exact bf16 products in fp32), for batch sizes
+    from 1 to 256 and blocks of 32 or 16 columns; through RecurrentGemm (mm with a bias, add);
+    a B it cannot pack is refused in one line."""
+    ext = cpu_ext.load_extension()
+    if not ext.amx_ready():
+        pytest.skip("no AMX here")
+    g = torch.Generator().manual_seed(0)
+    for m, k, n in ((32, 128, 512), (32, 512, 128), (1, 64, 16), (7, 16, 48), (256, 96, 384)):
+        a, b = torch.randn(m, k, generator=g).bfloat16(), torch.randn(k, n, generator=g).bfloat16()
+        packed = ext.amx_pack(b)
+        assert packed.dtype == torch.bfloat16 and packed.shape == (n // (32 if n % 32 == 0 else 16), k, packed.shape[2])
+        got, want = ext.amx_mm(a, packed), a.float() @ b.float()
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+        bias = torch.randn(n, generator=g)
+        gemm = packed_gemm.RecurrentGemm(b.t(), m, bias, backend="amx", ext=ext)  # W = B^T, as a view
+        torch.testing.assert_close(gemm.mm(a), want + bias, rtol=1e-5, atol=1e-4 * want.abs().max().item())
+        other = torch.randn(m, n, generator=g)
+        before = other.clone()
+        torch.testing.assert_close(gemm.add(a, other, torch.empty(m, n)), other + want, rtol=1e-5,
+                                   atol=1e-4 * want.abs().max().item())
+        assert torch.equal(other, before)
+    with pytest.raises(RuntimeError, match="bf16"):
+        ext.amx_pack(torch.ones(4, 32))
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        ext.amx_pack(torch.ones(4, 24, dtype=torch.bfloat16))

@@ -6,13 +6,15 @@ Same signature, parameter layout, gate order (i, f, g, o) and pre-drawn masks as
 
 Per window (haste's layout, on the CPU):
 - forward: the input projection for all timesteps is one matrix multiply; per step one
-  recurrent multiply (in fp32 MKL's packed GEMM where torch carries MKL, else oneDNN packed
-  weights: `recurrent_backend`, `zlm.model.cells.packed_gemm`)
+  recurrent multiply (in fp32 MKL's packed GEMM where torch carries MKL, in bf16 oneDNN's
+  AMX micro-kernel for small models on CPUs with AMX, else oneDNN packed weights:
+  `recurrent_backend`, `zlm.model.cells.packed_gemm`)
   and ONE call of the C++ step (zlm/model/cells/csrc/cell_steps.cpp): bias-added pre-activations -> gate
   activations -> c~, h~ -> both zoneout mixes, in one pass over memory;
 - backward: per step one C++ call (all element-wise work of the step, in one pass) and
   one recurrent multiply; dW_ih, dW_hh, db and dx are one multiply or reduction each.
-- with packed recurrent weights (fp32: MKL's or oneDNN's; bf16 where the CPU has native bf16) the
+- with packed recurrent weights (fp32: MKL's or oneDNN's; bf16 where the CPU has native bf16:
+  oneDNN's or, with AMX, its micro-kernel's) the
   time loops themselves run in C++ (`forward_window`, `backward_window`: the same
   operator calls and element-wise steps in the same order, so the same numbers as the
   Python loops, without the interpreter's cost per step); fp64, and bf16 on other CPUs
@@ -83,6 +85,7 @@ class StepWorkspace:
         self.transposed = False
         self.db = None
         self.w16t = None  # bf16 windows with a backward: W_hh^T in bf16 (C++ bf16_pair)
+        self.w16 = None  # and W_hh in bf16, where the backward's product is AMX's (its B matrix)
 
 
 class StepWorkspaceBF16(StepWorkspace):
@@ -151,15 +154,31 @@ def _input_projection(xs: Tensor, w_ih: Tensor, bias: Tensor, out: Tensor, backe
 USE_MKL = True  # fp32 windows take MKL's packed GEMM where torch has it (False: oneDNN; the tests run both)
 
 
-def recurrent_backend(ext) -> str:
-    """The backend of an fp32 window's recurrent products: "mkl" on an Intel CPU where the
-    extension finds MKL's packed GEMM in torch and oneDNN would run otherwise (on an Intel
-    Xeon the whole window ran 1.05-1.5x faster: docs/kernels.md), else `backend_for`'s.
-    Other vendors' CPUs keep oneDNN: MKL is unmeasured there, and its unpacked product was
-    1.5-1.7x slower than oneDNN's packed one on an AMD EPYC, against 1.2x on the Xeon."""
-    backend = backend_for(torch.float32, torch.device("cpu"))
-    if backend == "onednn" and USE_MKL and hasattr(ext, "mkl_packed_ready") and ext.mkl_packed_ready() and _on_intel():
+USE_AMX = True  # bf16 windows of small models take AMX's micro-kernel where the CPU has it (False: oneDNN)
+AMX_MAX_HIDDEN = 512  # above, the whole window was no faster, or slower (docs/kernels.md)
+
+
+def recurrent_backend(ext, dtype: torch.dtype = torch.float32, hidden: int = 0) -> str:
+    """The backend of a window's recurrent products, else `backend_for`'s.
+
+    fp32: "mkl" on an Intel CPU where the extension finds MKL's packed GEMM in torch and
+    oneDNN would run otherwise (on an Intel Xeon the whole window ran 1.05-1.5x faster:
+    docs/kernels.md). Other vendors' CPUs keep oneDNN: MKL is unmeasured there, and its
+    unpacked product was 1.5-1.7x slower than oneDNN's packed one on an AMD EPYC, against
+    1.2x on the Xeon.
+    bf16: "amx" (oneDNN's micro-kernel, amx_gemm.cpp) where the CPU has AMX and `hidden`
+    is a multiple of 16 up to AMX_MAX_HIDDEN: a small product's time is mostly the packed
+    linear's fixed cost per call (2-5x faster per product at H 128-384 on a Xeon).
+    """
+    backend = backend_for(dtype, torch.device("cpu"))
+    if backend != "onednn":
+        return backend
+    if dtype == torch.float32 and USE_MKL and hasattr(ext, "mkl_packed_ready") and ext.mkl_packed_ready() \
+            and _on_intel():
         return "mkl"
+    if dtype == BF16 and USE_AMX and 0 < hidden <= AMX_MAX_HIDDEN and hidden % 16 == 0 \
+            and hasattr(ext, "amx_ready") and ext.amx_ready():
+        return "amx"
     return backend
 
 
@@ -171,7 +190,7 @@ def _on_intel() -> bool:
 
 def _in_cpp(ext, gemm, name: str) -> bool:
     """Whether the window's time loop runs in C++: packed weights and a build with it."""
-    return gemm.backend in ("onednn", "mkl") and hasattr(ext, name)
+    return gemm.backend in ("onednn", "mkl", "amx") and hasattr(ext, name)
 
 
 def _forward(ext, x, h0, c0, w_ih, w_hh, bias, keep_c: Keep, keep_h: Keep, lp: bool, save: bool):
@@ -185,14 +204,19 @@ def _forward(ext, x, h0, c0, w_ih, w_hh, bias, keep_c: Keep, keep_h: Keep, lp: b
     gates, c, tc = ws.gates, ws.c, ws.tc
     xs = x.reshape(T * B, -1)
     if lp:  # (T*B, 4H) in bf16, read as is by the step
-        build, ws.w16t = _bf16, None
+        backend = recurrent_backend(ext, BF16, H)
+        amx = backend == "amx"
+        build, ws.w16t, ws.w16 = _bf16, None, None
         if save and hasattr(ext, "bf16_pair"):  # both bf16 copies of W_hh in one pass, the backward's kept
             w16 = torch.empty(w_hh.shape, dtype=BF16)
             ws.w16t = torch.empty(w_hh.shape[::-1], dtype=BF16)
             ext.bf16_pair(w_hh.detach().contiguous(), w16, ws.w16t)
-            build = _given(w16)
-        gemm = recurrent_gemm((w_hh,), B, "c16", build, cache=not save, backend=backend_for(BF16, x.device))
-        ws.xp_lp = _input_projection(xs.to(BF16), w_ih, bias, ws.xp_lp, gemm.backend, save, lp)
+            # AMX packs W^T itself: the transposed view of W^T hands it over without a copy
+            build = _given(ws.w16t.t() if amx else w16)
+            ws.w16 = w16 if amx else None
+        gemm = recurrent_gemm((w_hh,), B, "c16", build, cache=not save, backend=backend, ext=ext)
+        projection = "onednn" if amx else gemm.backend  # one large product: oneDNN's
+        ws.xp_lp = _input_projection(xs.to(BF16), w_ih, bias, ws.xp_lp, projection, save, lp)
         ws.h_lp[0].copy_(h0)
     else:
         backend = recurrent_backend(ext) if x.dtype == torch.float32 else None
@@ -227,9 +251,13 @@ def _backward(ext, ws, w_hh, y_all, keep_c, keep_h, dy, dh_T, dc_T, lp: bool):
     carry, dc, dgates = ws.carry, ws.dc, ws.dgates
     carry.zero_() if dh_T is None else carry.copy_(dh_T)
     dc.zero_() if dc_T is None else dc.copy_(dc_T)
-    if lp:  # dpre (B, 4H) @ W_hh -> (B, H), in bf16
-        build = _bf16_transpose if ws.w16t is None else _given(ws.w16t)
-        gemm = recurrent_gemm((w_hh,), B, "T16", build, backend=backend_for(BF16, w_hh.device))
+    if lp:  # dpre (B, 4H) @ W_hh -> (B, H), in bf16 (AMX: the result fp32)
+        backend = recurrent_backend(ext, BF16, w_hh.shape[1])
+        if backend == "amx" and ws.w16 is not None:  # W^T here is W_hh: its transposed view, no copy
+            build = _given(ws.w16.t())
+        else:
+            build = _bf16_transpose if ws.w16t is None else _given(ws.w16t)
+        gemm = recurrent_gemm((w_hh,), B, "T16", build, backend=backend, ext=ext)
     else:
         backend = recurrent_backend(ext) if w_hh.dtype == torch.float32 else None
         gemm = recurrent_gemm((w_hh,), B, "T", _transpose, backend=backend, ext=ext)

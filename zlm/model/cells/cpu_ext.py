@@ -4,6 +4,7 @@ The sources, one per job, and the header they share:
 
     csrc/cell_steps.cpp   the compiled CPU cell: element-wise steps, time windows, bf16 conversion
     csrc/mkl_gemm.cpp     the fp32 windows' recurrent product through MKL's packed GEMM, where torch has MKL
+    csrc/amx_gemm.cpp     the bf16 windows' recurrent product through oneDNN's AMX micro-kernel, where the CPU has AMX
     csrc/mask_draw.cpp    the zoneout keep masks of the mix16 draw
     csrc/decoder.cpp      sampling: the whole-model Decoder and the inverse-CDF token draw
     csrc/module.cpp       the Python bindings
@@ -48,7 +49,7 @@ from zlm.model.cells.kernel_constants import compiler_defines
 
 log = logging.getLogger("zlm.ext")
 SOURCE_DIR = Path(__file__).with_name("csrc")
-SOURCES = ("cell_steps.cpp", "mkl_gemm.cpp", "mask_draw.cpp", "decoder.cpp", "module.cpp")  # compiled, in SOURCE_DIR
+SOURCES = ("cell_steps.cpp", "mkl_gemm.cpp", "amx_gemm.cpp", "mask_draw.cpp", "decoder.cpp", "module.cpp")  # compiled, in SOURCE_DIR
 HEADERS = ("kernels.h",)  # included by them
 _AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mavx2"]
 _ISA_FLAGS = {

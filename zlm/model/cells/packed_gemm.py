@@ -12,6 +12,9 @@ wants:
 - "mkl": W^T packed by MKL's packed GEMM for one batch size (`mkl_pack` of zlm's C++
   extension, whose fp32 time loops then call MKL directly): fp32 windows of the compiled
   cell, where torch carries MKL (`zlm.model.cells.compiled.recurrent_backend`);
+- "amx": W^T in bf16, cut into blocks of columns in the layout AMX reads (`amx_pack`), for
+  oneDNN's micro-kernel, which the bf16 time loops call directly (any batch size); the
+  product comes back fp32: bf16 windows of small models on CPUs with AMX (same function);
 - "addmm": W^T as a contiguous (K, N) copy for `torch.addmm` (MKL): fp64, CUDA tensors, a
   torch without oneDNN, and the single-step inference path (the cell called with T = 1):
   oneDNN splits even a batch-1 product over all threads, so while another process holds a
@@ -75,6 +78,9 @@ class RecurrentGemm:
         self._ext = ext  # the C++ extension ("mkl" only)
         if self.backend == "mkl":
             self._packed = ext.mkl_pack(weight.contiguous(), batch)  # a byte tensor, for `batch` rows
+        elif self.backend == "amx":
+            # (N/nb, K, nb) bf16 from W^T (K, N); a transposed view of a contiguous W^T costs no copy
+            self._packed = ext.amx_pack(weight.t().contiguous())
         elif self.backend == "onednn":
             # (N, K) reordered into oneDNN's blocked layout for batch size `batch`
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), batch)
@@ -83,7 +89,7 @@ class RecurrentGemm:
 
     @property
     def packed(self) -> Tensor:
-        """The packed weight (backends "onednn" and "mkl"), for the C++ time loop."""
+        """The packed weight (backends "onednn", "mkl" and "amx"), for the C++ time loop."""
         return self._packed
 
     def add(self, a: Tensor, other: Tensor, out: Tensor) -> Tensor:
@@ -97,10 +103,12 @@ class RecurrentGemm:
         if self.backend == "mkl":
             self._ext.mkl_packed_mm(a.contiguous(), self._packed, 1.0, out.copy_(other))
             return out
+        if self.backend == "amx":
+            return torch.add(other, self._ext.amx_mm(a.contiguous(), self._packed), out=out)
         return torch.addmm(other, a, self._wt, out=out)
 
     def mm(self, a: Tensor) -> Tensor:
-        """a @ W^T + bias: a (B, K) -> a new (B, N)."""
+        """a @ W^T + bias: a (B, K) -> a new (B, N) (fp32 from "amx")."""
         if self.backend == "onednn":
             return torch.ops.mkldnn._linear_pointwise(a, self._packed, self._bias, "none", [], "")
         if self.backend == "mkl":
@@ -109,6 +117,9 @@ class RecurrentGemm:
                 out.copy_(self._bias.expand_as(out))  # a fresh buffer: never the bias itself
             self._ext.mkl_packed_mm(a.contiguous(), self._packed, 0.0 if self._bias is None else 1.0, out)
             return out
+        if self.backend == "amx":
+            out = self._ext.amx_mm(a.contiguous(), self._packed)
+            return out if self._bias is None else out.add_(self._bias)
         if self._bias is None:
             return torch.mm(a, self._wt)
         return torch.addmm(self._bias, a, self._wt)
@@ -156,7 +167,7 @@ def recurrent_gemm(
     is reused while every source is the same tensor at the same address and version and
     a probe of a few of its elements is unchanged (the probe catches writes through
     `.data`, which do not bump the version). `tag` names what `build` derives; `backend`
-    forces one (default: `backend_for`); "mkl" needs `ext`, the C++ extension that packs.
+    forces one (default: `backend_for`); "mkl" and "amx" need `ext`, the C++ extension that packs.
     """
     with torch.no_grad():
         if not cache:

@@ -2,16 +2,16 @@
 // element-wise step of the zoneout LSTM forward and backward, the time loops of a window
 // with packed weights, and the bf16 conversion of the recurrent weight.
 //
-// The recurrent matrix multiplies stay in torch (oneDNN/MKL); forward_step and
+// The recurrent matrix multiplies stay in torch (oneDNN/MKL/AMX micro-kernels); forward_step and
 // backward_step do everything else of one timestep in one pass over memory, vectorised over
 // the hidden units and split over the batch rows with at::parallel_for. With packed weights
 // (fp32: MKL's packed GEMM, mkl_gemm.cpp, or oneDNN's; bf16 on CPUs with native bf16:
-// oneDNN's) the time loops (forward_window, backward_window) run here too, calling the same
+// oneDNN's, or its AMX micro-kernel, amx_gemm.cpp) the time loops (forward_window, backward_window) run here too, calling the same
 // product the Python loop calls.
 //
 // Shapes (B batch rows, H units; gate blocks i, f, g, o as in torch.nn.LSTM):
 //   xp   (B, 4H) S, or bf16 with a bf16 rec   input projection of this step, bias included
-//   rec  (B, 4H) S or bf16, optional   h_prev W_hh^T (added to xp here)
+//   rec  (B, 4H) S or bf16 (fp32 with a bf16 xp: AMX), optional   h_prev W_hh^T (added to xp here)
 //   acts (B, 4H) S   out: i, f, g, o after their activations (g = tanh); may alias an S xp
 //   c_prev, h_prev (B, H) S; kc, kh (B, H) S keep masks, or absent: the floats zc, zh
 //   c_out (B, H) S zoned c;  tc_out (B, H) S tanh(c~) (scratch when not saved);  y_out (B, H) S zoned h
@@ -66,7 +66,7 @@ struct Rows {
 };
 
 // X, R: types of the input projection and of the recurrent part (S, or uint16_t = bf16);
-// with a bf16 R a bf16 copy of y is written.
+// with a bf16 X or R (bf16 multiplies) a bf16 copy of y is written.
 // Store = false (inference windows): the activations and tanh(c~), kept only for a
 // backward, are not written.
 template <typename S, typename X, typename R, bool Store = true>
@@ -99,7 +99,7 @@ void forward_rows(int64_t r0, int64_t r1, int64_t H, const X* xp, RowPtr<R> rec,
       }
       c_out[s0 + j] = ct + kcr[j] * (cp - ct);
       y_out[s0 + j] = h;
-      if constexpr (sizeof(R) == 2) y_lp[s0 + j] = f_to_bf16(static_cast<float>(h));
+      if constexpr (sizeof(R) == 2 || sizeof(X) == 2) y_lp[s0 + j] = f_to_bf16(static_cast<float>(h));
     }
   }
 }
@@ -109,17 +109,17 @@ void forward_rows(int64_t r0, int64_t r1, int64_t H, const X* xp, RowPtr<R> rec,
 //   dc~ = (1-kc) dc + (1-kh) dh o (1 - tc^2)
 //   dpre = [dc~ g i(1-i), dc~ c_prev f(1-f), dc~ i (1-g^2), (1-kh) dh tc o(1-o)]
 //   dc <- kc dc + dc~ f   (gradient of c_{t-1}),  carry <- kh dh
-// R: type of rec and of dpre (S, or uint16_t = bf16).
-template <typename S, typename R>
+// R: type of rec, D: of dpre (S, or uint16_t = bf16).
+template <typename S, typename R, typename D = R>
 void backward_rows(int64_t r0, int64_t r1, int64_t H, const S* acts, const S* tc, const S* c_prev,
                    RowPtr<S> kc, RowPtr<S> kh, RowPtr<S> dy, S* carry, RowPtr<R> rec,
-                   S* dc, R* dpre) {
+                   S* dc, D* dpre) {
   for (int64_t b = r0; b < r1; ++b) {
     const int64_t g0 = b * 4 * H, s0 = b * H;
     const S* a = acts + g0;
     const S *kcr = kc.row(b), *khr = kh.row(b), *dyr = dy.row(b);
     const R* rr = rec.row(b);
-    R* d = dpre + g0;
+    D* d = dpre + g0;
 #pragma omp simd
     for (int64_t j = 0; j < H; ++j) {
       const S dh = carry[s0 + j] + dyr[j] + load<S>(rr, j);
@@ -134,7 +134,7 @@ void backward_rows(int64_t r0, int64_t r1, int64_t H, const S* acts, const S* tc
       const S dO = dht * t * o * (S(1) - o);
       dc[s0 + j] = kcj * dc[s0 + j] + dct * f;
       carry[s0 + j] = khj * dh;
-      if constexpr (sizeof(R) == 2) {
+      if constexpr (sizeof(D) == 2) {
         d[j] = f_to_bf16(static_cast<float>(di));
         d[H + j] = f_to_bf16(static_cast<float>(df));
         d[2 * H + j] = f_to_bf16(static_cast<float>(dg));
@@ -158,11 +158,11 @@ void forward_ptrs(int64_t B, int64_t H, const X* xp, RowPtr<R> rec, S* acts, con
   });
 }
 
-template <typename S, typename R>
+template <typename S, typename R, typename D = R>
 void backward_ptrs(int64_t B, int64_t H, const S* acts, const S* tc, const S* c_prev, RowPtr<S> kc,
-                   RowPtr<S> kh, RowPtr<S> dy, S* carry, RowPtr<R> rec, S* dc, R* dpre) {
+                   RowPtr<S> kh, RowPtr<S> dy, S* carry, RowPtr<R> rec, S* dc, D* dpre) {
   at::parallel_for(0, B, grain_rows(H), [&](int64_t r0, int64_t r1) {
-    backward_rows<S, R>(r0, r1, H, acts, tc, c_prev, kc, kh, dy, carry, rec, dc, dpre);
+    backward_rows<S, R, D>(r0, r1, H, acts, tc, c_prev, kc, kh, dy, carry, rec, dc, dpre);
   });
 }
 
@@ -179,7 +179,7 @@ void forward_typed(const at::Tensor& xp, const c10::optional<at::Tensor>& rec, c
                                ptr<S>(y_out), ptr<uint16_t>(y_lp));
 }
 
-template <typename S, typename R>
+template <typename S, typename R, typename D = R>
 void backward_typed(const at::Tensor& acts, const at::Tensor& tc, const at::Tensor& c_prev,
                     const c10::optional<at::Tensor>& kc, double zc, const c10::optional<at::Tensor>& kh,
                     double zh, const c10::optional<at::Tensor>& dy, const at::Tensor& carry,
@@ -187,8 +187,8 @@ void backward_typed(const at::Tensor& acts, const at::Tensor& tc, const at::Tens
   const int64_t B = c_prev.size(0), H = c_prev.size(1);
   const Rows<R> rec_rows(rec, H, R(0));
   const Rows<S> kc_rows(kc, H, static_cast<S>(zc)), kh_rows(kh, H, static_cast<S>(zh)), dy_rows(dy, H, S(0));
-  backward_ptrs<S, R>(B, H, ptr<const S>(acts), ptr<const S>(tc), ptr<const S>(c_prev), kc_rows.at(0),
-                      kh_rows.at(0), dy_rows.at(0), ptr<S>(carry), rec_rows.at(0), ptr<S>(dc), ptr<R>(dpre));
+  backward_ptrs<S, R, D>(B, H, ptr<const S>(acts), ptr<const S>(tc), ptr<const S>(c_prev), kc_rows.at(0),
+                         kh_rows.at(0), dy_rows.at(0), ptr<S>(carry), rec_rows.at(0), ptr<S>(dc), ptr<D>(dpre));
 }
 
 // fn(j0, j1) for the blocks of `width` columns of a (rows, cols) operand, split over the
@@ -250,14 +250,17 @@ void add_column_sums(const R* d, int64_t B, int64_t N, float* db) {
 }  // namespace
 
 // Every tensor contiguous; S = the state dtype (fp32 or fp64); bf16 (rec, y_lp, dpre) only
-// with fp32 state, and then all of them bf16 together (checked here).
+// with fp32 state, and then all of them bf16 together (checked here), except that a bf16
+// step may take an fp32 rec (the AMX product's result, amx_gemm.cpp).
 void forward_step(const at::Tensor& xp, const c10::optional<at::Tensor>& rec, const at::Tensor& acts,
                   const at::Tensor& c_prev, const at::Tensor& h_prev, const c10::optional<at::Tensor>& kc,
                   double zc, const c10::optional<at::Tensor>& kh, double zh, const at::Tensor& c_out,
                   const at::Tensor& tc_out, const at::Tensor& y_out, const c10::optional<at::Tensor>& y_lp) {
   const bool lp = given(y_lp);
-  TORCH_CHECK(!given(rec) || (rec->scalar_type() == at::kBFloat16) == lp, "forward_step: bf16 rec <=> y_lp");
   const bool xp_lp = xp.scalar_type() == at::kBFloat16;
+  const bool rec_lp = given(rec) && rec->scalar_type() == at::kBFloat16;
+  const bool rec_f32 = given(rec) && rec->scalar_type() == at::kFloat;  // with a bf16 xp: the AMX product
+  TORCH_CHECK(!given(rec) || rec_lp == lp || (xp_lp && rec_f32), "forward_step: bf16 rec <=> y_lp");
   TORCH_CHECK(xp_lp ? lp : xp.dtype() == c_prev.dtype(),
               "forward_step: xp bf16 (only with y_lp) or the state dtype");
   if (c_prev.scalar_type() == at::kDouble) {
@@ -265,7 +268,8 @@ void forward_step(const at::Tensor& xp, const c10::optional<at::Tensor>& rec, co
     forward_typed<double, double, double>(xp, rec, acts, c_prev, h_prev, kc, zc, kh, zh, c_out, tc_out, y_out, y_lp);
   } else {
     TORCH_CHECK(c_prev.scalar_type() == at::kFloat, "forward_step: fp32 or fp64 state");
-    if (xp_lp) forward_typed<float, uint16_t, uint16_t>(xp, rec, acts, c_prev, h_prev, kc, zc, kh, zh, c_out, tc_out, y_out, y_lp);
+    if (xp_lp && rec_f32) forward_typed<float, uint16_t, float>(xp, rec, acts, c_prev, h_prev, kc, zc, kh, zh, c_out, tc_out, y_out, y_lp);
+    else if (xp_lp) forward_typed<float, uint16_t, uint16_t>(xp, rec, acts, c_prev, h_prev, kc, zc, kh, zh, c_out, tc_out, y_out, y_lp);
     else if (lp) forward_typed<float, float, uint16_t>(xp, rec, acts, c_prev, h_prev, kc, zc, kh, zh, c_out, tc_out, y_out, y_lp);
     else forward_typed<float, float, float>(xp, rec, acts, c_prev, h_prev, kc, zc, kh, zh, c_out, tc_out, y_out, y_lp);
   }
@@ -276,13 +280,16 @@ void backward_step(const at::Tensor& acts, const at::Tensor& tc, const at::Tenso
                    double zh, const c10::optional<at::Tensor>& dy, const at::Tensor& carry,
                    const c10::optional<at::Tensor>& rec, const at::Tensor& dc, const at::Tensor& dpre) {
   const bool lp = dpre.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(!given(rec) || (rec->scalar_type() == at::kBFloat16) == lp, "backward_step: bf16 rec <=> dpre");
+  const bool rec_f32 = given(rec) && rec->scalar_type() == at::kFloat;  // with a bf16 dpre: the AMX product
+  TORCH_CHECK(!given(rec) || (rec->scalar_type() == at::kBFloat16) == lp || (lp && rec_f32),
+              "backward_step: bf16 rec <=> dpre");
   if (acts.scalar_type() == at::kDouble) {
     TORCH_CHECK(!lp, "backward_step: no bf16 with fp64 state");
     backward_typed<double, double>(acts, tc, c_prev, kc, zc, kh, zh, dy, carry, rec, dc, dpre);
   } else {
     TORCH_CHECK(acts.scalar_type() == at::kFloat, "backward_step: fp32 or fp64 state");
-    if (lp) backward_typed<float, uint16_t>(acts, tc, c_prev, kc, zc, kh, zh, dy, carry, rec, dc, dpre);
+    if (lp && rec_f32) backward_typed<float, float, uint16_t>(acts, tc, c_prev, kc, zc, kh, zh, dy, carry, rec, dc, dpre);
+    else if (lp) backward_typed<float, uint16_t>(acts, tc, c_prev, kc, zc, kh, zh, dy, carry, rec, dc, dpre);
     else backward_typed<float, float>(acts, tc, c_prev, kc, zc, kh, zh, dy, carry, rec, dc, dpre);
   }
 }
@@ -322,8 +329,9 @@ void bf16_pair(const at::Tensor& w, const at::Tensor& out, const at::Tensor& out
   });
 }
 
-// The time loop of a window's forward with the recurrent weight packed by oneDNN, or in fp32
-// by MKL (a byte tensor from mkl_pack; zlm/model/cells/packed_gemm.py); moving the loop here
+// The time loop of a window's forward with the recurrent weight packed by oneDNN, in fp32 by
+// MKL (a byte tensor from mkl_pack) or in bf16 for AMX (a 3-d tensor from amx_pack: then
+// each step's rec comes back fp32; zlm/model/cells/packed_gemm.py); moving the loop here
 // saves the interpreter's per-step cost (two calls, six views). fp32 (y_lp absent): per step
 // pre = gates[t] + y[t] W_hh^T in one call (MKL: into gates[t] itself; the same product the
 // Python loop calls), then forward_step's
@@ -351,6 +359,10 @@ void forward_window(const at::Tensor& gates, const at::Tensor& w_packed, const a
   const int64_t T = gates.size(0), B = gates.size(1), H = y.size(2);
   const bool mkl = w_packed.scalar_type() == at::kByte;  // packed by mkl_pack (fp32 only)
   TORCH_CHECK(!mkl || !lp, "forward_window: an MKL-packed weight is fp32 only");
+  const bool amx = is_amx_packed(w_packed);  // packed by amx_pack (bf16 only)
+  TORCH_CHECK(!amx || lp, "forward_window: an AMX-packed weight is bf16 only");
+  // AMX writes every step's rec, fp32, into one buffer the element-wise step then reads.
+  const at::Tensor rec_buf = amx ? at::empty({B, 4 * H}, gates.options()) : at::Tensor();
   const c10::optional<at::Tensor> none;
   const Rows<float> kc_rows(kc, H, static_cast<float>(zc)), kh_rows(kh, H, static_cast<float>(zh));
   const Rows<float> no_rec(none, 4 * H, 0.0f);  // fp32: the recurrent part is already in pre
@@ -359,12 +371,19 @@ void forward_window(const at::Tensor& gates, const at::Tensor& w_packed, const a
   for (int64_t t = 0; t < T; ++t, g += G, yp += S, cp += S, tcp += S) {
     const RowPtr<float> kct = kc_rows.at(t * S), kht = kh_rows.at(t * S);
     if (lp) {
-      const at::Tensor rec = packed_mm((*y_lp)[t], w_packed);  // (B, 4H) bf16
-      const RowPtr<uint16_t> r{ptr<const uint16_t>(rec), 4 * H};
       const uint16_t* xp = ptr<const uint16_t>(xp_lp) + t * G;
       uint16_t* out_lp = ptr<uint16_t>(y_lp) + (t + 1) * S;
-      if (save) forward_ptrs<float, uint16_t, uint16_t, true>(B, H, xp, r, g, cp, yp, kct, kht, cp + S, tcp, yp + S, out_lp);
-      else forward_ptrs<float, uint16_t, uint16_t, false>(B, H, xp, r, g, cp, yp, kct, kht, cp + S, tcp, yp + S, out_lp);
+      const auto step = [&]<typename R>(RowPtr<R> r) {  // rec fp32 (AMX) or bf16 (oneDNN)
+        if (save) forward_ptrs<float, uint16_t, R, true>(B, H, xp, r, g, cp, yp, kct, kht, cp + S, tcp, yp + S, out_lp);
+        else forward_ptrs<float, uint16_t, R, false>(B, H, xp, r, g, cp, yp, kct, kht, cp + S, tcp, yp + S, out_lp);
+      };
+      if (amx) {
+        amx_addmm(ptr<const uint16_t>(*y_lp) + t * S, B, w_packed, false, ptr<float>(rec_buf));  // (B, 4H) fp32
+        step(RowPtr<float>{ptr<const float>(rec_buf), 4 * H});
+      } else {
+        const at::Tensor rec = packed_mm((*y_lp)[t], w_packed);  // (B, 4H) bf16
+        step(RowPtr<uint16_t>{ptr<const uint16_t>(rec), 4 * H});
+      }
       continue;
     }
     at::Tensor pre;
@@ -380,7 +399,8 @@ void forward_window(const at::Tensor& gates, const at::Tensor& w_packed, const a
   }
 }
 
-// The backward time loop with W_hh^T packed by oneDNN (or in fp32 by MKL): per step (from
+// The backward time loop with W_hh^T packed by oneDNN (or in fp32 by MKL, in bf16 for AMX:
+// rec fp32): per step (from
 // T-1 down) backward_step's element-wise work, then rec = dpre W_hh in one call. fp32, or bf16
 // when dgates is bf16 (W_hh^T packed in bf16; rec and dpre bf16, the state gradients
 // carry and dc fp32). Returns the last rec (B, H), the gradient reaching h0 through W_hh
@@ -411,14 +431,21 @@ at::Tensor backward_window(const at::Tensor& acts, const at::Tensor& tc, const a
   const Rows<float> zero_f(none, H, 0.0f);
   const bool mkl = w_packed.scalar_type() == at::kByte;  // packed by mkl_pack (fp32 only)
   TORCH_CHECK(!mkl || !lp, "backward_window: an MKL-packed weight is fp32 only");
-  // MKL writes every step's rec into one buffer: a step reads it before its own product.
-  at::Tensor last, rec_buf = mkl ? at::empty({B, H}, acts.options()) : at::Tensor();
+  const bool amx = is_amx_packed(w_packed);  // packed by amx_pack (bf16 only; rec comes back fp32)
+  TORCH_CHECK(!amx || lp, "backward_window: an AMX-packed weight is bf16 only");
+  // MKL and AMX write every step's rec into one buffer: a step reads it before its own product.
+  at::Tensor last, rec_buf = mkl || amx ? at::empty({B, H}, acts.options()) : at::Tensor();
   for (int64_t t = T - 1; t >= 0; --t) {
     const float *a = ptr<const float>(acts) + t * G, *tct = ptr<const float>(tc) + t * S;
     const float* ct = ptr<const float>(c) + t * S;
     const RowPtr<float> kct = kc_rows.at(t * S), kht = kh_rows.at(t * S), dyt = dy_rows.at(t * S);
     const at::Tensor d = dgates[t];
-    if (lp) {
+    if (amx) {
+      const RowPtr<float> r = last.defined() ? RowPtr<float>{ptr<const float>(last), H} : zero_f.at(0);
+      backward_ptrs<float, float, uint16_t>(B, H, a, tct, ct, kct, kht, dyt, ptr<float>(carry), r, ptr<float>(dc),
+                                            ptr<uint16_t>(d));
+      if (given(db)) add_column_sums(ptr<const uint16_t>(d), B, 4 * H, ptr<float>(db));
+    } else if (lp) {
       const RowPtr<uint16_t> r = last.defined() ? RowPtr<uint16_t>{ptr<const uint16_t>(last), H} : zero_lp.at(0);
       backward_ptrs<float, uint16_t>(B, H, a, tct, ct, kct, kht, dyt, ptr<float>(carry), r, ptr<float>(dc),
                                      ptr<uint16_t>(d));
@@ -432,6 +459,9 @@ at::Tensor backward_window(const at::Tensor& acts, const at::Tensor& tc, const a
     if (given(y)) transpose_into(ptr<const float>(y) + t * S, B, H, ptr<float>(y_t), T * B, t * B);
     if (mkl) {
       mkl_packed_addmm(ptr<const float>(d), B, H, 4 * H, w_packed, 0.0f, ptr<float>(rec_buf));
+      last = rec_buf;
+    } else if (amx) {
+      amx_addmm(ptr<const uint16_t>(d), B, w_packed, false, ptr<float>(rec_buf));
       last = rec_buf;
     } else {
       last = packed_mm(d, w_packed);

@@ -3,6 +3,8 @@
 //
 // Built by zlm/model/cells/cpu_ext.py (torch.utils.cpp_extension.load) from
 //   cell_steps.cpp  the training cell: element-wise steps, time windows, bf16 conversion
+//   mkl_gemm.cpp    the fp32 windows' recurrent product through MKL's packed GEMM
+//   amx_gemm.cpp    the bf16 windows' recurrent product through oneDNN's AMX micro-kernel
 //   mask_draw.cpp   the zoneout keep masks (the mix16 draw)
 //   decoder.cpp     sampling: the whole-model Decoder and the inverse-CDF token draw
 //   module.cpp      the Python bindings (the only file that includes pybind11)
@@ -124,6 +126,13 @@ at::Tensor mkl_pack(const at::Tensor& w, int64_t m);
 void mkl_packed_addmm(const float* a, int64_t m, int64_t n, int64_t k, const at::Tensor& packed, float beta,
                       float* c);
 void mkl_packed_mm(const at::Tensor& a, const at::Tensor& packed, double beta, const at::Tensor& c);
+
+// ---------------------------------------------------------------- amx_gemm.cpp
+bool amx_ready();
+at::Tensor amx_pack(const at::Tensor& b);
+bool is_amx_packed(const at::Tensor& w);
+void amx_addmm(const uint16_t* a, int64_t m, const at::Tensor& packed, bool add, float* c);
+at::Tensor amx_mm(const at::Tensor& a, const at::Tensor& packed);
 
 // ---------------------------------------------------------------- mask_draw.cpp
 void draw_mask(const at::Tensor& seed, int64_t below, const at::Tensor& out);

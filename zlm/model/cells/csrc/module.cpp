@@ -12,12 +12,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward_step", &zlm::forward_step, "one timestep forward, in place into the given buffers");
   m.def("backward_step", &zlm::backward_step, "one timestep backward, in place into the given buffers");
   m.def("forward_window", &zlm::forward_window,
-        "a window's forward time loop (fp32 or bf16 multiplies, a weight packed by oneDNN or MKL)");
+        "a window's forward time loop (fp32 or bf16 multiplies, a weight packed by oneDNN, MKL or for AMX)");
   m.def("backward_window", &zlm::backward_window,
-        "a window's backward time loop (fp32 or bf16 multiplies, a weight packed by oneDNN or MKL)");
+        "a window's backward time loop (fp32 or bf16 multiplies, a weight packed by oneDNN, MKL or for AMX)");
   m.def("mkl_packed_ready", &zlm::mkl_packed_ready, "whether torch carries MKL's packed GEMM (mkl_gemm.cpp)");
   m.def("mkl_pack", &zlm::mkl_pack, "W (N, K) fp32 -> MKL's packed W^T for products with M rows, a byte tensor");
   m.def("mkl_packed_mm", &zlm::mkl_packed_mm, "c = a W^T + beta c with W packed by mkl_pack, into c");
+  m.def("amx_ready", &zlm::amx_ready, "whether this CPU and torch run oneDNN's AMX bf16 micro-kernel (amx_gemm.cpp)");
+  m.def("amx_pack", &zlm::amx_pack, "B (K, N) bf16 -> blocks of its columns in AMX's VNNI layout, (N / nb, K, nb)");
+  m.def("amx_mm", &zlm::amx_mm, "a (M, K) bf16 x B packed by amx_pack -> (M, N) fp32");
   m.def("bf16_pair", &zlm::bf16_pair, "fp32 (N, K) -> bf16 (N, K) and its transpose (K, N), in one pass");
   m.def("draw_mask", &zlm::draw_mask, "a zoneout keep mask of the mix16 draw (masks.py)");
   m.def("draw", &zlm::draw, "one token per row by inverse CDF (sampling)");
