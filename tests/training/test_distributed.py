@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from datetime import timedelta
@@ -202,10 +203,15 @@ def test_a_dead_or_hung_rank_ends_the_job_with_a_loadable_checkpoint(tmp_path, m
 
     data_dir = write_char_dataset(tmp_path / "data", shakespeare_text(40_000))
     monkeypatch.setenv("ZLM_DIST_TIMEOUT", "8")
+    tmp = tmp_path / "tmp"  # this process's temp folder: the launch leaves nothing in it
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
     # A hung rank sleeps past the time limit: the job ending at all (rank 0's collective
     # times out after ZLM_DIST_TIMEOUT, then the agent stops rank 1) is the check.
     with pytest.raises(WorkersFailed) as e:
         run_local(_faulty_worker, (str(data_dir), str(tmp_path / "run"), how, 40), nproc=2, shutdown_timeout=5)
+    assert sorted(f.name for f in tmp.iterdir()) == []  # no pytorch-errorfile-*.pickle, no zlm-launch-*
+    assert tempfile.tempdir == str(tmp)
     assert e.value.exit_code != 0
     assert ("rank 1 was killed by SIGKILL" if how == "kill" else "rank 0 exited with code 1") in str(e.value)
     latest = ckpt.latest_complete(tmp_path / "run")

@@ -55,8 +55,12 @@ def run_local(fn: Callable, args: tuple, nproc: int, *, max_restarts: int = 0,
     if shutdown_timeout is None:
         shutdown_timeout = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", SHUTDOWN_GRACE))
     # The agent's per-worker error files live in a folder removed when the job ends (by
-    # default torch leaves a /tmp/torchelastic_* folder behind for every launch).
+    # default torch leaves a /tmp/torchelastic_* folder behind for every launch), and so
+    # does every temporary file this process makes while the job runs: torch's spawn names
+    # a pytorch-errorfile-*.pickle per worker in the temp folder and leaves it where a
+    # worker failed.
     logs = tempfile.TemporaryDirectory(prefix="zlm-launch-")
+    temp_before, tempfile.tempdir = tempfile.tempdir, logs.name
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"zlm-{uuid.uuid4().hex[:12]}",
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=max_restarts,
@@ -72,6 +76,7 @@ def run_local(fn: Callable, args: tuple, nproc: int, *, max_restarts: int = 0,
     except SignalException as e:
         raise Interrupted(e.sigval) from None
     finally:
+        tempfile.tempdir = temp_before
         logs.cleanup()
         if threading.current_thread() is threading.main_thread():
             for sig, handler in saved.items():
