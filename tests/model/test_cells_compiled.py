@@ -294,15 +294,17 @@ def test_the_windows_take_the_chosen_recurrent_product(recurrent, monkeypatch):
     assert compiled.recurrent_backend(ext) == other
 
 
-@pytest.mark.parametrize("hidden", [16, 64, 512, 24, 528])
-def test_bf16_windows_take_amx_for_small_models(recurrent, hidden, monkeypatch):
-    """bf16 windows run AMX's micro-kernel where the CPU has it, for H a multiple of 16 up
-    to AMX_MAX_HIDDEN (else oneDNN's packed linear), forward and backward, and stay within
-    2e-2 of the fp32 reference."""
+@pytest.mark.parametrize("hidden", [16, 64, 10, 24, 1000, 7, 1040])
+def test_bf16_windows_take_amx_up_to_its_size(recurrent, hidden, monkeypatch):
+    """bf16 windows run AMX's micro-kernel where the CPU has it, for an even H up to
+    AMX_MAX_HIDDEN (else oneDNN's packed linear), forward and backward, and stay within 2e-2
+    of the fp32 reference - also where the products' columns are padded to a multiple of 16
+    (H 10: both products; 24 and 1000: the backward's)."""
     ext = cpu_ext.load_extension()
     if not packed_gemm.ONEDNN_BF16:
         pytest.skip("this CPU has no native bf16: the bf16 loop stays in Python")
-    amx = recurrent == "mkl+amx" and ext.amx_ready() and hidden % 16 == 0 and hidden <= compiled.AMX_MAX_HIDDEN
+    assert compiled.AMX_MAX_HIDDEN < 1040
+    amx = recurrent == "mkl+amx" and ext.amx_ready() and hidden % 2 == 0 and hidden <= compiled.AMX_MAX_HIDDEN
     want = "amx" if amx else "onednn"
     assert compiled.recurrent_backend(ext, torch.bfloat16, hidden) == want
     backends = []
@@ -321,18 +323,24 @@ def test_bf16_windows_take_amx_for_small_models(recurrent, hidden, monkeypatch):
 def test_amx_product_matches_torch():
     """AMX's product (amx_gemm.cpp): a (M, K) bf16 x B (K, N) bf16 -> fp32, against the same
     product in fp32 (1e-5 relative: both sum exact bf16 products in fp32), for batch sizes
-    from 1 to 256 and blocks of 32 or 16 columns; through RecurrentGemm (mm with a bias, add);
-    a B it cannot pack is refused in one line."""
+    from 1 to 256, blocks of 32 or 16 columns and N padded to a multiple of 16 (the padding's
+    columns come out 0); through RecurrentGemm (mm with a bias, add: N columns); a B it cannot
+    pack is refused in one line."""
     ext = cpu_ext.load_extension()
     if not ext.amx_ready():
         pytest.skip("no AMX here")
     g = torch.Generator().manual_seed(0)
-    for m, k, n in ((32, 128, 512), (32, 512, 128), (1, 64, 16), (7, 16, 48), (256, 96, 384)):
+    for m, k, n in ((32, 128, 512), (32, 512, 128), (1, 64, 16), (7, 16, 48), (256, 96, 384), (5, 40, 10),
+                    (3, 4000, 1000), (2, 2, 1)):
         a, b = torch.randn(m, k, generator=g).bfloat16(), torch.randn(k, n, generator=g).bfloat16()
         packed = ext.amx_pack(b)
-        assert packed.dtype == torch.bfloat16 and packed.shape == (n // (32 if n % 32 == 0 else 16), k, packed.shape[2])
-        got, want = ext.amx_mm(a, packed), a.float() @ b.float()
-        assert got.dtype == torch.float32
+        padded = -(-n // 16) * 16
+        block = 32 if padded % 32 == 0 else 16
+        assert packed.dtype == torch.bfloat16 and packed.shape == (padded // block, k, block)
+        full, want = ext.amx_mm(a, packed), a.float() @ b.float()
+        assert full.dtype == torch.float32 and full.shape == (m, padded)
+        assert torch.equal(full[:, n:], torch.zeros(m, padded - n))
+        got = full[:, :n]
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
         bias = torch.randn(n, generator=g)
         gemm = packed_gemm.RecurrentGemm(b.t(), m, bias, backend="amx", ext=ext)  # W = B^T, as a view
@@ -344,5 +352,5 @@ def test_amx_product_matches_torch():
         assert torch.equal(other, before)
     with pytest.raises(RuntimeError, match="bf16"):
         ext.amx_pack(torch.ones(4, 32))
-    with pytest.raises(RuntimeError, match="multiple of 16"):
-        ext.amx_pack(torch.ones(4, 24, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="K even"):
+        ext.amx_pack(torch.ones(5, 32, dtype=torch.bfloat16))

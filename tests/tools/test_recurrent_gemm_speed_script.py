@@ -20,10 +20,12 @@ def test_recurrent_gemm_speed_prints_both_tables(precision):
     if ext is None or not (ext.mkl_packed_ready() if precision == "fp32" else ext.amx_ready()):
         pytest.skip("no MKL packed GEMM (fp32) or AMX (bf16) here")
     out = subprocess.run([sys.executable, str(SCRIPT), "--precision", precision, "--hidden", "16,32",
-                          "--batch-size", "4", "--bptt", "3", "--calls", "5", "--repeats", "1", "--bench-repeats", "1"],
+                          "--batch-size", "4", "--bptt", "3", "--calls", "5", "--rounds", "2", "--window-calls", "1"],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
-    assert ("| product | H | oneDNN us | " + ("MKL" if precision == "fp32" else "AMX")) in out.stdout
+    label = "MKL" if precision == "fp32" else "AMX"
+    assert f"| product | H | oneDNN us | {label} us | oneDNN / {label} |" in out.stdout
+    assert f"| H | phase | oneDNN | {label} | {label} / oneDNN time |" in out.stdout
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.stdout.splitlines()
             if line.startswith("| ") and not line.startswith(("| product", "| H "))]
     products = [r for r in rows if r[0] in ("forward", "backward")]
@@ -36,4 +38,4 @@ def test_recurrent_gemm_speed_prints_both_tables(precision):
         assert abs(ratio - onednn / other) <= 0.006 + rounding
     model = [r for r in rows if r[0] in ("16", "32")]
     assert [(r[0], r[1]) for r in model] == [(h, p) for h in ("16", "32") for p in ("train", "infer", "model")]
-    assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in model)
+    assert all(float(x) > 0 for r in model for x in r[2:])

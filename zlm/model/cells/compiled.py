@@ -155,7 +155,7 @@ USE_MKL = True  # fp32 windows take MKL's packed GEMM where torch has it (False:
 
 
 USE_AMX = True  # bf16 windows of small models take AMX's micro-kernel where the CPU has it (False: oneDNN)
-AMX_MAX_HIDDEN = 512  # above, the whole window was no faster, or slower (docs/kernels.md)
+AMX_MAX_HIDDEN = 1024  # above, the whole training step was slower (docs/kernels.md)
 
 
 def recurrent_backend(ext, dtype: torch.dtype = torch.float32, hidden: int = 0) -> str:
@@ -167,8 +167,9 @@ def recurrent_backend(ext, dtype: torch.dtype = torch.float32, hidden: int = 0) 
     unpacked product was 1.5-1.7x slower than oneDNN's packed one on an AMD EPYC, against
     1.2x on the Xeon.
     bf16: "amx" (oneDNN's micro-kernel, amx_gemm.cpp) where the CPU has AMX and `hidden`
-    is a multiple of 16 up to AMX_MAX_HIDDEN: a small product's time is mostly the packed
-    linear's fixed cost per call (2-5x faster per product at H 128-384 on a Xeon).
+    is even and at most AMX_MAX_HIDDEN: a small product's time is mostly the packed linear's
+    fixed cost per call (on a Xeon 1.2-3.4x faster per product from H 1024 down to 128,
+    the whole training step 4-21% faster).
     """
     backend = backend_for(dtype, torch.device("cpu"))
     if backend != "onednn":
@@ -176,7 +177,7 @@ def recurrent_backend(ext, dtype: torch.dtype = torch.float32, hidden: int = 0) 
     if dtype == torch.float32 and USE_MKL and hasattr(ext, "mkl_packed_ready") and ext.mkl_packed_ready() \
             and _on_intel():
         return "mkl"
-    if dtype == BF16 and USE_AMX and 0 < hidden <= AMX_MAX_HIDDEN and hidden % 16 == 0 \
+    if dtype == BF16 and USE_AMX and 0 < hidden <= AMX_MAX_HIDDEN and hidden % 2 == 0 \
             and hasattr(ext, "amx_ready") and ext.amx_ready():
         return "amx"
     return backend

@@ -14,7 +14,7 @@ wants:
   cell, where torch carries MKL (`zlm.model.cells.compiled.recurrent_backend`);
 - "amx": W^T in bf16, cut into blocks of columns in the layout AMX reads (`amx_pack`), for
   oneDNN's micro-kernel, which the bf16 time loops call directly (any batch size); the
-  product comes back fp32: bf16 windows of small models on CPUs with AMX (same function);
+  product comes back fp32: bf16 windows on CPUs with AMX (same function);
 - "addmm": W^T as a contiguous (K, N) copy for `torch.addmm` (MKL): fp64, CUDA tensors, a
   torch without oneDNN, and the single-step inference path (the cell called with T = 1):
   oneDNN splits even a batch-1 product over all threads, so while another process holds a
@@ -104,7 +104,7 @@ class RecurrentGemm:
             self._ext.mkl_packed_mm(a.contiguous(), self._packed, 1.0, out.copy_(other))
             return out
         if self.backend == "amx":
-            return torch.add(other, self._ext.amx_mm(a.contiguous(), self._packed), out=out)
+            return torch.add(other, self._amx_mm(a), out=out)
         return torch.addmm(other, a, self._wt, out=out)
 
     def mm(self, a: Tensor) -> Tensor:
@@ -118,11 +118,17 @@ class RecurrentGemm:
             self._ext.mkl_packed_mm(a.contiguous(), self._packed, 0.0 if self._bias is None else 1.0, out)
             return out
         if self.backend == "amx":
-            out = self._ext.amx_mm(a.contiguous(), self._packed)
+            out = self._amx_mm(a)
             return out if self._bias is None else out.add_(self._bias)
         if self._bias is None:
             return torch.mm(a, self._wt)
         return torch.addmm(self._bias, a, self._wt)
+
+
+    def _amx_mm(self, a: Tensor) -> Tensor:
+        """a @ W^T in fp32 through AMX, (B, N) contiguous: the packed product's rows are padded
+        to a multiple of 16 columns."""
+        return self._ext.amx_mm(a.contiguous(), self._packed)[:, : self.shape[0]].contiguous()
 
 
 def mm_nt(a: Tensor, b: Tensor) -> Tensor:

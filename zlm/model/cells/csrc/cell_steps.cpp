@@ -361,8 +361,10 @@ void forward_window(const at::Tensor& gates, const at::Tensor& w_packed, const a
   TORCH_CHECK(!mkl || !lp, "forward_window: an MKL-packed weight is fp32 only");
   const bool amx = is_amx_packed(w_packed);  // packed by amx_pack (bf16 only)
   TORCH_CHECK(!amx || lp, "forward_window: an AMX-packed weight is bf16 only");
-  // AMX writes every step's rec, fp32, into one buffer the element-wise step then reads.
-  const at::Tensor rec_buf = amx ? at::empty({B, 4 * H}, gates.options()) : at::Tensor();
+  // AMX writes every step's rec, fp32, into one buffer the element-wise step then reads
+  // (rows of Np >= 4H columns: the product's padded width).
+  const int64_t Np = amx ? amx_columns(w_packed) : 4 * H;
+  const at::Tensor rec_buf = amx ? at::empty({B, Np}, gates.options()) : at::Tensor();
   const c10::optional<at::Tensor> none;
   const Rows<float> kc_rows(kc, H, static_cast<float>(zc)), kh_rows(kh, H, static_cast<float>(zh));
   const Rows<float> no_rec(none, 4 * H, 0.0f);  // fp32: the recurrent part is already in pre
@@ -379,7 +381,7 @@ void forward_window(const at::Tensor& gates, const at::Tensor& w_packed, const a
       };
       if (amx) {
         amx_addmm(ptr<const uint16_t>(*y_lp) + t * S, B, w_packed, false, ptr<float>(rec_buf));  // (B, 4H) fp32
-        step(RowPtr<float>{ptr<const float>(rec_buf), 4 * H});
+        step(RowPtr<float>{ptr<const float>(rec_buf), Np});
       } else {
         const at::Tensor rec = packed_mm((*y_lp)[t], w_packed);  // (B, 4H) bf16
         step(RowPtr<uint16_t>{ptr<const uint16_t>(rec), 4 * H});
@@ -433,15 +435,17 @@ at::Tensor backward_window(const at::Tensor& acts, const at::Tensor& tc, const a
   TORCH_CHECK(!mkl || !lp, "backward_window: an MKL-packed weight is fp32 only");
   const bool amx = is_amx_packed(w_packed);  // packed by amx_pack (bf16 only; rec comes back fp32)
   TORCH_CHECK(!amx || lp, "backward_window: an AMX-packed weight is bf16 only");
-  // MKL and AMX write every step's rec into one buffer: a step reads it before its own product.
-  at::Tensor last, rec_buf = mkl || amx ? at::empty({B, H}, acts.options()) : at::Tensor();
+  // MKL and AMX write every step's rec into one buffer: a step reads it before its own product
+  // (AMX: rows of Np >= H columns, the product's padded width).
+  const int64_t Np = amx ? amx_columns(w_packed) : H;
+  at::Tensor last, rec_buf = mkl || amx ? at::empty({B, Np}, acts.options()) : at::Tensor();
   for (int64_t t = T - 1; t >= 0; --t) {
     const float *a = ptr<const float>(acts) + t * G, *tct = ptr<const float>(tc) + t * S;
     const float* ct = ptr<const float>(c) + t * S;
     const RowPtr<float> kct = kc_rows.at(t * S), kht = kh_rows.at(t * S), dyt = dy_rows.at(t * S);
     const at::Tensor d = dgates[t];
     if (amx) {
-      const RowPtr<float> r = last.defined() ? RowPtr<float>{ptr<const float>(last), H} : zero_f.at(0);
+      const RowPtr<float> r = last.defined() ? RowPtr<float>{ptr<const float>(last), Np} : zero_f.at(0);
       backward_ptrs<float, float, uint16_t>(B, H, a, tct, ct, kct, kht, dyt, ptr<float>(carry), r, ptr<float>(dc),
                                             ptr<uint16_t>(d));
       if (given(db)) add_column_sums(ptr<const uint16_t>(d), B, 4 * H, ptr<float>(db));
@@ -467,7 +471,7 @@ at::Tensor backward_window(const at::Tensor& acts, const at::Tensor& tc, const a
       last = packed_mm(d, w_packed);
     }
   }
-  return last;
+  return amx ? last.narrow(1, 0, H) : last;  // AMX: the columns past H are padding
 }
 
 }  // namespace zlm

@@ -131,6 +131,7 @@ void mkl_packed_mm(const at::Tensor& a, const at::Tensor& packed, double beta, c
 bool amx_ready();
 at::Tensor amx_pack(const at::Tensor& b);
 bool is_amx_packed(const at::Tensor& w);
+int64_t amx_columns(const at::Tensor& packed);  // Np: the padded width of the product's rows
 void amx_addmm(const uint16_t* a, int64_t m, const at::Tensor& packed, bool add, float* c);
 at::Tensor amx_mm(const at::Tensor& a, const at::Tensor& packed);
 

@@ -19,8 +19,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mkl_pack", &zlm::mkl_pack, "W (N, K) fp32 -> MKL's packed W^T for products with M rows, a byte tensor");
   m.def("mkl_packed_mm", &zlm::mkl_packed_mm, "c = a W^T + beta c with W packed by mkl_pack, into c");
   m.def("amx_ready", &zlm::amx_ready, "whether this CPU and torch run oneDNN's AMX bf16 micro-kernel (amx_gemm.cpp)");
-  m.def("amx_pack", &zlm::amx_pack, "B (K, N) bf16 -> blocks of its columns in AMX's VNNI layout, (N / nb, K, nb)");
-  m.def("amx_mm", &zlm::amx_mm, "a (M, K) bf16 x B packed by amx_pack -> (M, N) fp32");
+  m.def("amx_pack", &zlm::amx_pack,
+        "B (K, N) bf16, K even -> its columns padded to Np (a multiple of 16) in blocks of AMX's VNNI layout, "
+        "(Np / nb, K, nb)");
+  m.def("amx_mm", &zlm::amx_mm, "a (M, K) bf16 x B packed by amx_pack -> (M, Np) fp32 (columns past N are 0)");
   m.def("bf16_pair", &zlm::bf16_pair, "fp32 (N, K) -> bf16 (N, K) and its transpose (K, N), in one pass");
   m.def("draw_mask", &zlm::draw_mask, "a zoneout keep mask of the mix16 draw (masks.py)");
   m.def("draw", &zlm::draw, "one token per row by inverse CDF (sampling)");
