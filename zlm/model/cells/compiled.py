@@ -7,7 +7,7 @@ Same signature, parameter layout, gate order (i, f, g, o) and pre-drawn masks as
 Per window (haste's layout, on the CPU):
 - forward: the input projection for all timesteps is one matrix multiply; per step one
   recurrent multiply (in fp32 MKL's packed GEMM where torch carries MKL, in bf16 oneDNN's
-  AMX micro-kernel for small models on CPUs with AMX, else oneDNN packed weights:
+  AMX micro-kernel up to H 1024 on CPUs with AMX, else oneDNN packed weights:
   `recurrent_backend`, `zlm.model.cells.packed_gemm`)
   and ONE call of the C++ step (zlm/model/cells/csrc/cell_steps.cpp): bias-added pre-activations -> gate
   activations -> c~, h~ -> both zoneout mixes, in one pass over memory;
@@ -154,7 +154,7 @@ def _input_projection(xs: Tensor, w_ih: Tensor, bias: Tensor, out: Tensor, backe
 USE_MKL = True  # fp32 windows take MKL's packed GEMM where torch has it (False: oneDNN; the tests run both)
 
 
-USE_AMX = True  # bf16 windows of small models take AMX's micro-kernel where the CPU has it (False: oneDNN)
+USE_AMX = True  # bf16 windows up to AMX_MAX_HIDDEN take AMX's micro-kernel where the CPU has it (False: oneDNN)
 AMX_MAX_HIDDEN = 1024  # above, the whole training step was slower (docs/kernels.md)
 
 
@@ -168,8 +168,8 @@ def recurrent_backend(ext, dtype: torch.dtype = torch.float32, hidden: int = 0) 
     1.2x on the Xeon.
     bf16: "amx" (oneDNN's micro-kernel, amx_gemm.cpp) where the CPU has AMX and `hidden`
     is even and at most AMX_MAX_HIDDEN: a small product's time is mostly the packed linear's
-    fixed cost per call (on a Xeon 1.2-3.4x faster per product from H 1024 down to 128,
-    the whole training step 4-21% faster).
+    fixed cost per call (on a Xeon: a product 3.3x faster at H 128, about 1.2x at H 1024;
+    the whole training step in 0.75-0.96 of the time).
     """
     backend = backend_for(dtype, torch.device("cpu"))
     if backend != "onednn":

@@ -75,7 +75,7 @@ class RecurrentGemm:
         self.backend = backend or backend_for(weight.dtype, weight.device)
         self.shape = tuple(weight.shape)  # (N, K)
         self._bias = bias  # (N,) or None
-        self._ext = ext  # the C++ extension ("mkl" only)
+        self._ext = ext  # the C++ extension ("mkl" and "amx" only)
         if self.backend == "mkl":
             self._packed = ext.mkl_pack(weight.contiguous(), batch)  # a byte tensor, for `batch` rows
         elif self.backend == "amx":
@@ -123,7 +123,6 @@ class RecurrentGemm:
         if self._bias is None:
             return torch.mm(a, self._wt)
         return torch.addmm(self._bias, a, self._wt)
-
 
     def _amx_mm(self, a: Tensor) -> Tensor:
         """a @ W^T in fp32 through AMX, (B, N) contiguous: the packed product's rows are padded
