@@ -7,7 +7,7 @@
 // a (M, K) x B -> c (M, N) fp32, its columns padded with zeros to Np, the next multiple of
 // 16, and cut into blocks of nb columns (32, or 16 where Np is not a multiple of 32), each in
 // the VNNI layout AMX reads (pairs of k interleaved: K must be even). `amx_pack` makes it
-// once per window; `amx_addmm` runs the product into rows of Np columns (the padding's
+// once per window; `amx_mm_into` writes the product into rows of Np columns (the padding's
 // columns come out 0), the blocks split over the threads. The sums accumulate in fp32 and
 // come back in fp32 (the packed oneDNN linear rounds its result to bf16).
 
@@ -45,13 +45,13 @@ int64_t amx_columns(const at::Tensor& packed) { return packed.size(0) * packed.s
 
 bool is_amx_packed(const at::Tensor& w) { return w.scalar_type() == at::kBFloat16 && w.dim() == 3; }
 
-void amx_addmm(const uint16_t* a, int64_t m, const at::Tensor& packed, bool add, float* c) {
+void amx_mm_into(const uint16_t* a, int64_t m, const at::Tensor& packed, float* c) {
   const int64_t blocks = packed.size(0), K = packed.size(1), nb = packed.size(2), N = blocks * nb;  // N = Np
   const auto* A = reinterpret_cast<const at::BFloat16*>(a);
   const auto* P = reinterpret_cast<const at::BFloat16*>(packed.data_ptr());
   at::parallel_for(0, blocks, 1, [&](int64_t q0, int64_t q1) {
     for (int64_t q = q0; q < q1; ++q)
-      at::native::cpublas::brgemm(m, nb, K, K, nb, N, add, A, P + q * K * nb, c + q * nb, true);
+      at::native::cpublas::brgemm(m, nb, K, K, nb, N, false, A, P + q * K * nb, c + q * nb, true);
     at::native::cpublas::brgemm_release(true);  // the tile registers go back before other work
   });
 }
@@ -62,7 +62,7 @@ at::Tensor amx_mm(const at::Tensor& a, const at::Tensor& packed) {
   TORCH_CHECK(a.scalar_type() == at::kBFloat16 && a.dim() == 2 && a.is_contiguous() && a.size(1) == packed.size(1),
               "amx_mm: a (M, K) contiguous bf16, K as packed");
   at::Tensor c = at::empty({a.size(0), amx_columns(packed)}, a.options().dtype(at::kFloat));
-  amx_addmm(ptr<const uint16_t>(a), a.size(0), packed, false, ptr<float>(c));
+  amx_mm_into(ptr<const uint16_t>(a), a.size(0), packed, ptr<float>(c));
   return c;
 }
 

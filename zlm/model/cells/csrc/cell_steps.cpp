@@ -334,8 +334,7 @@ void bf16_pair(const at::Tensor& w, const at::Tensor& out, const at::Tensor& out
 // each step's rec comes back fp32; zlm/model/cells/packed_gemm.py); moving the loop here
 // saves the interpreter's per-step cost (two calls, six views). fp32 (y_lp absent): per step
 // pre = gates[t] + y[t] W_hh^T in one call (MKL: into gates[t] itself; the same product the
-// Python loop calls), then forward_step's
-// element-wise work. bf16 (y_lp and xp_lp given, W_hh packed in bf16): per step
+// Python loop calls), then forward_step's element-wise work. bf16 (y_lp and xp_lp given, W_hh packed in bf16): per step
 // rec = y_lp[t] W_hh^T in bf16 (fp32 accumulation inside oneDNN), then the element-wise step
 // adds xp_lp[t] and rec in fp32, writes the activations to gates[t], y[t+1] and its bf16
 // copy y_lp[t+1].
@@ -380,7 +379,7 @@ void forward_window(const at::Tensor& gates, const at::Tensor& w_packed, const a
         else forward_ptrs<float, uint16_t, R, false>(B, H, xp, r, g, cp, yp, kct, kht, cp + S, tcp, yp + S, out_lp);
       };
       if (amx) {
-        amx_addmm(ptr<const uint16_t>(*y_lp) + t * S, B, w_packed, false, ptr<float>(rec_buf));  // (B, 4H) fp32
+        amx_mm_into(ptr<const uint16_t>(*y_lp) + t * S, B, w_packed, ptr<float>(rec_buf));  // (B, 4H) fp32
         step(RowPtr<float>{ptr<const float>(rec_buf), Np});
       } else {
         const at::Tensor rec = packed_mm((*y_lp)[t], w_packed);  // (B, 4H) bf16
@@ -402,8 +401,7 @@ void forward_window(const at::Tensor& gates, const at::Tensor& w_packed, const a
 }
 
 // The backward time loop with W_hh^T packed by oneDNN (or in fp32 by MKL, in bf16 for AMX:
-// rec fp32): per step (from
-// T-1 down) backward_step's element-wise work, then rec = dpre W_hh in one call. fp32, or bf16
+// rec fp32): per step (from T-1 down) backward_step's element-wise work, then rec = dpre W_hh in one call. fp32, or bf16
 // when dgates is bf16 (W_hh^T packed in bf16; rec and dpre bf16, the state gradients
 // carry and dc fp32). Returns the last rec (B, H), the gradient reaching h0 through W_hh
 // (the caller adds carry).
@@ -444,15 +442,13 @@ at::Tensor backward_window(const at::Tensor& acts, const at::Tensor& tc, const a
     const float* ct = ptr<const float>(c) + t * S;
     const RowPtr<float> kct = kc_rows.at(t * S), kht = kh_rows.at(t * S), dyt = dy_rows.at(t * S);
     const at::Tensor d = dgates[t];
-    if (amx) {
-      const RowPtr<float> r = last.defined() ? RowPtr<float>{ptr<const float>(last), Np} : zero_f.at(0);
-      backward_ptrs<float, float, uint16_t>(B, H, a, tct, ct, kct, kht, dyt, ptr<float>(carry), r, ptr<float>(dc),
-                                            ptr<uint16_t>(d));
-      if (given(db)) add_column_sums(ptr<const uint16_t>(d), B, 4 * H, ptr<float>(db));
-    } else if (lp) {
-      const RowPtr<uint16_t> r = last.defined() ? RowPtr<uint16_t>{ptr<const uint16_t>(last), H} : zero_lp.at(0);
-      backward_ptrs<float, uint16_t>(B, H, a, tct, ct, kct, kht, dyt, ptr<float>(carry), r, ptr<float>(dc),
-                                     ptr<uint16_t>(d));
+    if (lp) {
+      const auto step = [&]<typename R>(RowPtr<R> r) {  // rec fp32 (AMX) or bf16 (oneDNN); dpre bf16
+        backward_ptrs<float, R, uint16_t>(B, H, a, tct, ct, kct, kht, dyt, ptr<float>(carry), r, ptr<float>(dc),
+                                          ptr<uint16_t>(d));
+      };
+      if (amx) step(last.defined() ? RowPtr<float>{ptr<const float>(last), Np} : zero_f.at(0));
+      else step(last.defined() ? RowPtr<uint16_t>{ptr<const uint16_t>(last), H} : zero_lp.at(0));
       if (given(db)) add_column_sums(ptr<const uint16_t>(d), B, 4 * H, ptr<float>(db));
     } else {
       const RowPtr<float> r = last.defined() ? RowPtr<float>{ptr<const float>(last), H} : zero_f.at(0);
@@ -465,7 +461,7 @@ at::Tensor backward_window(const at::Tensor& acts, const at::Tensor& tc, const a
       mkl_packed_addmm(ptr<const float>(d), B, H, 4 * H, w_packed, 0.0f, ptr<float>(rec_buf));
       last = rec_buf;
     } else if (amx) {
-      amx_addmm(ptr<const uint16_t>(d), B, w_packed, false, ptr<float>(rec_buf));
+      amx_mm_into(ptr<const uint16_t>(d), B, w_packed, ptr<float>(rec_buf));
       last = rec_buf;
     } else {
       last = packed_mm(d, w_packed);

@@ -132,7 +132,7 @@ bool amx_ready();
 at::Tensor amx_pack(const at::Tensor& b);
 bool is_amx_packed(const at::Tensor& w);
 int64_t amx_columns(const at::Tensor& packed);  // Np: the padded width of the product's rows
-void amx_addmm(const uint16_t* a, int64_t m, const at::Tensor& packed, bool add, float* c);
+void amx_mm_into(const uint16_t* a, int64_t m, const at::Tensor& packed, float* c);  // c = a B
 at::Tensor amx_mm(const at::Tensor& a, const at::Tensor& packed);
 
 // ---------------------------------------------------------------- mask_draw.cpp
