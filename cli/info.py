@@ -50,6 +50,15 @@ def _sampled(train: dict) -> str:
     return f" (on a {n:,}-token sample of the valid split; zlm eval scores all of it)" if n else ""
 
 
+def _trained_with(r: dict) -> str:
+    """Precision, cell and kernel, and what ran the CPU cell's recurrent products."""
+    from zlm.core.spec import PRODUCT_NAMES
+
+    product = PRODUCT_NAMES.get(r.get("product", ""))
+    return (f"{r['precision']}, {r['cell']} cell ({r['kernel']} kernel"
+            + (f", recurrent products on {product})" if product else ")"))
+
+
 def _rows(info: dict) -> list[tuple[str, str]]:
     m, tok = info["model"], info["tokenizer"]
     rows = [
@@ -57,6 +66,7 @@ def _rows(info: dict) -> list[tuple[str, str]]:
         ("model", f"{m['layers']} x {m['hidden']} zoneout LSTM, embed {m['embed']}, "
                   f"zoneout c {m['zoneout_cell']} h {m['zoneout_hidden']}, dropout {m['dropout']}"),
         ("parameters", f"{info['parameters']:,} ({', '.join(info['dtypes'])})"),
+        ("trained with", _trained_with(info["resolved"])),
         ("tokenizer", f"{tok['kind']}, vocabulary {tok['vocab_size']}"),
         ("step", str(info["step"])),
         ("best valid BPC", _bpc(info["best_valid_bpc"]) + _sampled(info["train"])),

@@ -41,6 +41,10 @@ def test_the_gap_is_valid_minus_a_fixed_train_slice_in_eval_mode(tmp_path):
     # Shown by zlm info (the checkpoint's trainer state) and zlm compare.
     r = CliRunner().invoke(app, ["info", str(tmp_path / "run" / "checkpoints" / "step-00000012")])
     assert r.exit_code == 0 and "generalisation gap" in r.output and f"{evals[-1]['gap']:+.4f}" in r.output
+    # zlm info RUN names best/: the gap at the best validation's step.
+    best = min(evals, key=lambda e: e["valid_bpc"])
+    r = CliRunner().invoke(app, ["info", str(tmp_path / "run")])
+    assert r.exit_code == 0 and "best" in r.output and f"{best['gap']:+.4f}" in r.output
     r = CliRunner().invoke(app, ["compare", str(tmp_path / "run"), "--json"])
     assert r.exit_code == 0
     assert json.loads(r.output)["runs"][0]["gap"] == evals[-1]["gap"]

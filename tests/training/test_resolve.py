@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
+import pytest
 import torch
 
 from conftest import train_run
 from zlm.core.config import TrainConfig
 from zlm.core.metrics import read_metrics
+from zlm.core.spec import PRODUCT_NAMES, Resolved
 from zlm.data.dataset import Dataset
-from zlm.model.cells import choose_cell, cpu_ext
+from zlm.errors import CheckpointError
+from zlm.model.cells import choose_cell, cpu_ext, recurrent_product
 from zlm.model.lm import ModelConfig
 from zlm.training import resolve
 
@@ -28,7 +32,7 @@ def test_a_fresh_run_stores_what_auto_became(tiny_data, tmp_path):
     train_run(tmp_path / "run", data, *_cfgs(data))
     config = json.loads((tmp_path / "run" / "config.json").read_text())
     assert config["train"]["precision"] == "auto" and config["train"]["cell"] == "auto"  # as given
-    want = resolve.resolve_fresh(TrainConfig(device="cpu"), ModelConfig(vocab_size=5, zoneout_cell=0.2), CPU)
+    want = resolve.resolve_fresh(TrainConfig(device="cpu"), ModelConfig(vocab_size=5, hidden=16, zoneout_cell=0.2), CPU)
     assert config["resolved"] == want.to_dict()
     assert config["resolved"]["cell"] == "fused" and config["resolved"]["kernel"] in ("compiled", "python")
     ck = sorted((tmp_path / "run" / "checkpoints").iterdir())[-1]
@@ -62,3 +66,31 @@ def test_auto_runs_torchs_lstm_kernel_without_zoneout(tiny_data, tmp_path):
     assert start["cell"] == "plain"
     # The log names the machine its speed was measured on (CPU model and threads).
     assert start["machine"] == f"{cpu_ext.cpu_name()}, {torch.get_num_threads()} threads"
+
+
+def test_a_run_records_its_recurrent_product_and_a_resume_elsewhere_says_it_differs():
+    """The compiled cell's recurrent products (MKL, AMX, oneDNN) round differently in bf16:
+    config.json records which ran, and a resume on a machine with another says so."""
+    mc = ModelConfig(vocab_size=5, hidden=16, embed=8, zoneout_cell=0.2)
+    for precision in ("fp32", "bf16"):
+        fresh = resolve.resolve_fresh(TrainConfig(device="cpu", precision=precision), mc, CPU)
+        assert fresh.kernel == "compiled"  # CI builds the C++ step
+        assert fresh.product == recurrent_product("compiled", precision, 16) != ""
+        assert Resolved(**fresh.to_dict()) == fresh and fresh.to_dict()["product"] == fresh.product
+        ext = cpu_ext.load_extension()
+        if precision == "bf16" and ext.amx_ready():
+            assert fresh.product == "amx"
+        heard = []
+        resolve.cell_for(fresh, "auto", mc, CPU, heard.append)
+        assert heard == []  # the same machine
+        resolve.cell_for(replace(fresh, product=""), "auto", mc, CPU, heard.append)
+        assert heard == []  # a config.json from before products were recorded
+        other = "addmm" if fresh.product != "addmm" else "mkl"
+        resolve.cell_for(replace(fresh, product=other), "auto", mc, CPU, heard.append)
+        assert len(heard) == 1 and PRODUCT_NAMES[other] in heard[0] and PRODUCT_NAMES[fresh.product] in heard[0]
+        assert "not bit for bit" not in heard[0] and "differ in the last bits" in heard[0]
+    # Other kernels record none; an unknown product is refused in one line.
+    assert recurrent_product("reference", "fp32", 16) == "" and recurrent_product("plain", "bf16", 16) == ""
+    with pytest.raises(CheckpointError, match="unknown recurrent product 'tpu'"):
+        Resolved("fp32", "fused", "compiled", product="tpu")
+    assert "product" not in Resolved("fp32", "plain", "plain").to_dict()

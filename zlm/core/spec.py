@@ -7,7 +7,8 @@ config.json, and `read_spec` is the one loader (`zlm train --resume`, `zlm eval`
 
     config.json = {"format": 1, "zlm_version": ..., "preset": "cpu-small",
                    "model": ModelConfig, "train": TrainConfig,
-                   "resolved": {"precision", "cell", "kernel"},     what "auto" became
+                   "resolved": {"precision", "cell", "kernel",      what "auto" became
+                                "product"},                         (the CPU cell's recurrent product)
                    "defaults_rule": DefaultsRule | absent,          what the rule chose
                    "parent": {"path", "model_sha256"} | absent,     --init-from's model
                    "data": {"path", "tokenizer", "unit"}, "world_size": N}
@@ -29,6 +30,9 @@ from zlm.version import __version__
 
 FORMAT = 1  # config.json's format number; a run of any other is refused
 REGIME_NAMES = ("regularised", "between", "data-rich", "open")
+# Resolved.product's values ("": not recorded), and what `zlm info` calls them
+PRODUCT_NAMES = {"mkl": "MKL's packed GEMM", "amx": "AMX's micro-kernel", "onednn": "oneDNN's packed linear",
+                 "addmm": "torch.addmm"}
 
 
 @dataclass(frozen=True)
@@ -39,13 +43,20 @@ class Resolved:
     cell: str  # fused | reference | plain (what --cell asked for, resolved)
     kernel: str  # compiled | python | triton | reference | plain (the code that runs)
     why: str = field(default="", compare=False)  # one line for the start display (not stored)
+    # what ran the compiled CPU cell's recurrent products (mkl | amx | onednn | addmm;
+    # `zlm.model.cells.recurrent_product`), "" for other kernels and runs that did not record it
+    product: str = ""
 
     def __post_init__(self):
         if self.kernel not in KERNELS:
             raise CheckpointError(f"config.json names an unknown cell kernel {self.kernel!r}; use another checkpoint")
+        if self.product and self.product not in PRODUCT_NAMES:
+            raise CheckpointError(f"config.json names an unknown recurrent product {self.product!r}; "
+                                  "use another checkpoint")
 
     def to_dict(self) -> dict:
-        return {"precision": self.precision, "cell": self.cell, "kernel": self.kernel}
+        d = {"precision": self.precision, "cell": self.cell, "kernel": self.kernel}
+        return d | {"product": self.product} if self.product else d
 
 
 @dataclass(frozen=True)

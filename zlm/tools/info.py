@@ -78,6 +78,7 @@ def describe(path) -> dict:
         "train_slice_bpc": trainer.get("train_slice_bpc"),
         "cool_down": (trainer.get("overfit") or {}).get("cool_down"),  # the overfitting guard's reaction
         "model": spec.model.to_dict(),
+        "resolved": spec.resolved.to_dict(),  # precision, cell, kernel and recurrent product it trained with
         "parameters": sum(math.prod(s) for s in shapes.values()),
         "dtypes": dtypes,
         "mismatches": _mismatches(spec.model.parameter_shapes(), shapes),

@@ -55,15 +55,20 @@ class RunDir:
             raise ZlmError(f"cannot write to the run directory {self.path} ({e.strerror or e}); "
                            f"make it writable or pass another --out") from None
 
-    def write_best(self, model, config: dict, data: Dataset, step: int, bpc: float) -> None:
-        """best/: the weights with the best valid BPC so far, swapped in atomically."""
+    def write_best(self, model, config: dict, data: Dataset, step: int, bpc: float,
+                   train_slice_bpc: float | None = None) -> None:
+        """best/: the weights with the best valid BPC so far, swapped in atomically (with the
+        train slice's BPC at that validation: `zlm info RUN` shows the gap of the model it names)."""
         final = self.path / "best"
         tmp = None
         try:
             tmp = ckpt.temp_directory(final)
             ckpt.write_tensors(tmp / "model.safetensors", model.state_dict())
             ckpt.write_json(tmp / "config.json", config)
-            ckpt.write_json(tmp / "trainer.json", {"step": step, "valid_bpc": bpc, "best_bpc": bpc})
+            trainer = {"step": step, "valid_bpc": bpc, "best_bpc": bpc}
+            if train_slice_bpc is not None:
+                trainer["train_slice_bpc"] = train_slice_bpc
+            ckpt.write_json(tmp / "trainer.json", trainer)
             data.copy_description(tmp)
             ckpt.finish_directory(tmp, final, step)
         except OSError as e:

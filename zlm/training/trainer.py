@@ -259,7 +259,7 @@ class Trainer:
             self.log.write("eval", **rec)
             self.rep.eval(rec)
             if improved:
-                self.run.write_best(self.model, self.config, self.data, s.step, bpc)
+                self.run.write_best(self.model, self.config, self.data, s.step, bpc, s.train_slice_bpc)
         return bpc
 
     def _watch(self, bpc: float) -> None:

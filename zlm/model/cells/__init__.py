@@ -78,6 +78,19 @@ def _fused_for(device: torch.device, on_event: Callable[[str], None] | None = No
 _compiled: dict = {}
 
 
+def recurrent_product(kernel: str, precision: str, hidden: int) -> str:
+    """What runs the compiled CPU cell's recurrent products at this precision and size on this
+    machine (`compiled.recurrent_backend`: a key of `zlm.core.spec.PRODUCT_NAMES`), "" for
+    every other kernel.
+    A run records it: bf16 rounds the recurrent sum differently on AMX (fp32 until the
+    element-wise step) than on oneDNN, so a resume elsewhere continues, but not bit for bit."""
+    if kernel != "compiled" or "ext" not in _compiled:
+        return ""
+    from zlm.model.cells.compiled import recurrent_backend
+
+    return recurrent_backend(_compiled["ext"], torch.bfloat16 if precision == "bf16" else torch.float32, hidden)
+
+
 def _compiled_cpu_cell(on_event: Callable[[str], None] | None) -> tuple[CellFn | None, str]:
     """The compiled CPU cell (built on first use) and its ISA, or None and a one-line reason."""
     from zlm.model.cells import cpu_ext
