@@ -100,7 +100,7 @@ def load_model(path, device: str = "auto", precision: str = "fp32", cell: str = 
         raise CheckpointError(f"{loaded.path}/config.json describes an impossible model "
                               f"({str(e).splitlines()[0]}); use another checkpoint") from None
     check_weights(own, loaded.model, loaded.path)
-    model = ZoneoutLM(model_cfg, choice.fn)
+    model = ZoneoutLM(model_cfg, choice.fn, init=False)  # every weight is loaded next (check_weights)
     load_weights(model, loaded.model, loaded.path)
     model.to(runtime.device).eval()
     for p in model.parameters():
