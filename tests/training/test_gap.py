@@ -45,6 +45,17 @@ def test_the_gap_is_valid_minus_a_fixed_train_slice_in_eval_mode(tmp_path):
     best = min(evals, key=lambda e: e["valid_bpc"])
     r = CliRunner().invoke(app, ["info", str(tmp_path / "run")])
     assert r.exit_code == 0 and "best" in r.output and f"{best['gap']:+.4f}" in r.output
+    # A best/ written before trainer.json kept the slice: the run's log has it.
+    trainer = tmp_path / "run" / "best" / "trainer.json"
+    size = trainer.stat().st_size  # the manifest records it: pad the older form to the same size
+    old = json.dumps({k: v for k, v in json.loads(trainer.read_text()).items() if k != "train_slice_bpc"})
+    trainer.write_text(old.ljust(size))
+    r = CliRunner().invoke(app, ["info", str(tmp_path / "run"), "--json"])
+    assert r.exit_code == 0 and json.loads(r.output)["train_slice_bpc"] == best["train_slice_bpc"]
+    (tmp_path / "run" / "metrics.jsonl").rename(tmp_path / "metrics.jsonl")  # and without a log: no gap
+    r = CliRunner().invoke(app, ["info", str(tmp_path / "run")])
+    assert r.exit_code == 0 and "generalisation gap" not in r.output
+    (tmp_path / "metrics.jsonl").rename(tmp_path / "run" / "metrics.jsonl")
     r = CliRunner().invoke(app, ["compare", str(tmp_path / "run"), "--json"])
     assert r.exit_code == 0
     assert json.loads(r.output)["runs"][0]["gap"] == evals[-1]["gap"]

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from zlm.core import checkpoint as ckpt
 from zlm.core.checkpoint import read_json
+from zlm.core.metrics import parse_metrics
 from zlm.core.spec import read_spec
 from zlm.errors import CheckpointError
 
@@ -92,6 +93,8 @@ def describe(path) -> dict:
         "total_bytes": sum(f["bytes"] for f in files),
     }
     run = where.parent.parent if where.parent.name == "checkpoints" else where.parent
+    if info["train_slice_bpc"] is None and isinstance(info["step"], int):
+        info["train_slice_bpc"] = _logged_slice(run / "metrics.jsonl", info["step"])
     steps = ckpt.step_dirs(run)
     if steps:
         latest = _latest(steps)
@@ -101,6 +104,20 @@ def describe(path) -> dict:
             info["cool_down"] = (read_json(latest[0] / "trainer.json", "trainer state").get("overfit")
                                  or {}).get("cool_down")  # best/ keeps no trainer state: the run's latest does
     return info
+
+
+def _logged_slice(metrics: Path, step: int) -> float | None:
+    """The train slice's BPC the run logged at its validation of `step`: a checkpoint written
+    before trainer.json kept it (best/ did not) still shows its gap."""
+    try:
+        text = metrics.read_text(encoding="utf-8")
+    except OSError:
+        return None
+    found = None
+    for e in parse_metrics(text):
+        if e.get("event") == "eval" and e.get("step") == step and e.get("train_slice_bpc") is not None:
+            found = e["train_slice_bpc"]  # the last: a resumed run may have validated this step again
+    return found
 
 
 def _latest(steps: list[Path]) -> tuple[Path, int | None] | None:
