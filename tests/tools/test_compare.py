@@ -86,6 +86,20 @@ def test_same_names_are_told_apart(tmp_path):
     assert [r["run"] for r in c.rows] == ["a/run", "b/run"] and c.settings == ["hidden"]
 
 
+def test_what_auto_resolved_to_is_a_setting_too(tmp_path):
+    """Two runs of the same options on machines that resolved them differently (precision
+    auto: bf16 on one, fp32 on the other; AMX's recurrent product against none recorded)."""
+    a = write_fake_run(tmp_path / "a", resolved=("bf16", "fused", "compiled", "", "amx"))
+    b = write_fake_run(tmp_path / "b", resolved=("fp32", "fused", "compiled"))
+    c = compare_runs([a, b])
+    assert c.settings == ["precision", "product"]
+    assert [(r["precision"], r["product"]) for r in c.rows] == [("bf16", "amx"), ("fp32", None)]
+    # The name under train and resolved both: kept whole.
+    assert differing([{"train": {"precision": "auto"}, "resolved": {"precision": "bf16"}},
+                      {"train": {"precision": "fp32"}, "resolved": {"precision": "fp32"}}]) == \
+        ["train.precision", "resolved.precision"]
+
+
 def test_not_a_run_is_one_line(tmp_path, runs):
     res = runner.invoke(app, ["compare", str(runs[0]), str(tmp_path / "missing")])
     assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1

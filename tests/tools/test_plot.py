@@ -29,13 +29,13 @@ runner = CliRunner()
 
 def write_fake_run(path, hidden=64, zc=0.5, zh=0.05, steps=200, batch_size=4, bptt=10,
                    world_size=1, floor=1.8, log_every=10, eval_every=50, s_per_step=0.1,
-                   overfit=0.0, results=None):
+                   overfit=0.0, results=None, resolved=("fp32", "fused", "compiled")):
     """A run directory as zlm train writes it: config.json and metrics.jsonl."""
     path.mkdir(parents=True)
     spec = RunSpec(ModelConfig(vocab_size=65, hidden=hidden, layers=1, embed=16, zoneout_cell=zc,
                                zoneout_hidden=zh, dropout=0.0),
                    TrainConfig(batch_size=batch_size, bptt=bptt, lr=0.002, max_steps=steps),
-                   Resolved("fp32", "fused", "compiled"), DataRef("/nonexistent", {"kind": "char"}, "character"),
+                   Resolved(*resolved), DataRef("/nonexistent", {"kind": "char"}, "character"),
                    world_size=world_size)
     (path / "config.json").write_text(json.dumps(spec.to_dict()))
 

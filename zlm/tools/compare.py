@@ -1,7 +1,7 @@
 """The rows of `zlm compare`: what differs between runs, and how well each did.
 
 Owns `compare_runs(run_dirs) -> Comparison`. Settings come from each run's config.json
-("model" and "train", nested dicts flattened as `schedule.kind`); only the settings
+("model", "train" and "resolved", nested dicts flattened as `schedule.kind`); only the settings
 whose values differ across the runs become columns. Results: best valid BPC (the
 validations in metrics.jsonl), test BPC (RUN_DIR/results.json, written by the recipes
 from the best checkpoint; absent -> None), parameters, characters/s (median of the
@@ -54,9 +54,15 @@ def short_name(key: str) -> str:
     return key.split(".", 1)[1] if "." in key else key
 
 
+def settings(config: dict) -> dict:
+    """A config.json's settings, flattened: the model, the training options and what "auto"
+    resolved to (precision, cell, kernel, recurrent product: `resolved.precision`, ...)."""
+    return flatten({part: config.get(part, {}) for part in ("model", "train", "resolved")})
+
+
 def differing(configs: list[dict]) -> list[str]:
     """Flattened keys whose values are not all equal (a key missing in a run counts)."""
-    flat = [flatten({"model": c.get("model", {}), "train": c.get("train", {})}) for c in configs]
+    flat = [settings(c) for c in configs]
     keys: list[str] = []
     for f in flat:
         keys += [k for k in f if k not in keys]
@@ -95,7 +101,7 @@ def compare_runs(run_dirs) -> Comparison:
         names = list(keys)
     rows = []
     for run, config in zip(runs, configs, strict=True):
-        flat = flatten({"model": config.get("model", {}), "train": config.get("train", {})})
+        flat = settings(config)
         row = {"run": run.name, "path": str(run.path)}
         row.update({n: flat.get(k) for n, k in zip(names, keys, strict=True)})
         row.update(result_row(run))
