@@ -10,7 +10,7 @@ from zlm.core import checkpoint as ckpt
 from zlm.core.config import TrainConfig
 from zlm.data.dataset import Dataset
 from zlm.inference.load import load_model
-from zlm.model.lm import ModelConfig
+from zlm.model.lm import ModelConfig, ZoneoutLM
 
 
 def test_load_model_returns_the_saved_weights_without_running_the_initialisers(tiny_data, tmp_path, monkeypatch):
@@ -30,7 +30,5 @@ def test_load_model_returns_the_saved_weights_without_running_the_initialisers(t
     for k, v in saved.items():
         assert torch.equal(got[k], v), k
     # A model built for training still initialises (and refuses here, so the patch is live).
-    from zlm.model.lm import ZoneoutLM
-
     with pytest.raises(AssertionError, match="initialised"):
         ZoneoutLM(mc)

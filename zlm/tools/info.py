@@ -18,7 +18,7 @@ from pathlib import Path
 
 from zlm.core import checkpoint as ckpt
 from zlm.core.checkpoint import read_json
-from zlm.core.metrics import parse_metrics
+from zlm.core.metrics import read_metrics
 from zlm.core.spec import read_spec
 from zlm.errors import CheckpointError
 
@@ -110,11 +110,11 @@ def _logged_slice(metrics: Path, step: int) -> float | None:
     """The train slice's BPC the run logged at its validation of `step`: a checkpoint written
     before trainer.json kept it (best/ did not) still shows its gap."""
     try:
-        text = metrics.read_text(encoding="utf-8")
+        events = read_metrics(metrics)
     except OSError:
         return None
     found = None
-    for e in parse_metrics(text):
+    for e in events:
         if e.get("event") == "eval" and e.get("step") == step and e.get("train_slice_bpc") is not None:
             found = e["train_slice_bpc"]  # the last: a resumed run may have validated this step again
     return found

@@ -334,10 +334,10 @@ void bf16_pair(const at::Tensor& w, const at::Tensor& out, const at::Tensor& out
 // each step's rec comes back fp32; zlm/model/cells/packed_gemm.py); moving the loop here
 // saves the interpreter's per-step cost (two calls, six views). fp32 (y_lp absent): per step
 // pre = gates[t] + y[t] W_hh^T in one call (MKL: into gates[t] itself; the same product the
-// Python loop calls), then forward_step's element-wise work. bf16 (y_lp and xp_lp given, W_hh packed in bf16): per step
-// rec = y_lp[t] W_hh^T in bf16 (fp32 accumulation inside oneDNN), then the element-wise step
-// adds xp_lp[t] and rec in fp32, writes the activations to gates[t], y[t+1] and its bf16
-// copy y_lp[t+1].
+// Python loop calls), then forward_step's element-wise work. bf16 (y_lp and xp_lp given,
+// W_hh packed in bf16): per step rec = y_lp[t] W_hh^T in bf16 (fp32 accumulation), then the
+// element-wise step adds xp_lp[t] and rec in fp32, writes the activations to gates[t], y[t+1]
+// and its bf16 copy y_lp[t+1].
 //   gates (T, B, 4H): fp32: in, x W_ih^T + b; out, the activations (bf16: out only).
 //   xp_lp (T, B, 4H) bf16: x W_ih^T + b (bf16 only).  y (T+1, B, H): y[0] = h0.
 //   y_lp (T+1, B, H) bf16, y_lp[0] = h0: bf16 copies of y.
@@ -401,9 +401,9 @@ void forward_window(const at::Tensor& gates, const at::Tensor& w_packed, const a
 }
 
 // The backward time loop with W_hh^T packed by oneDNN (or in fp32 by MKL, in bf16 for AMX:
-// rec fp32): per step (from T-1 down) backward_step's element-wise work, then rec = dpre W_hh in one call. fp32, or bf16
-// when dgates is bf16 (W_hh^T packed in bf16; rec and dpre bf16, the state gradients
-// carry and dc fp32). Returns the last rec (B, H), the gradient reaching h0 through W_hh
+// rec fp32): per step (from T-1 down) backward_step's element-wise work, then rec = dpre W_hh
+// in one call. fp32, or bf16 when dgates is bf16 (W_hh^T packed in bf16; dpre bf16, rec bf16
+// or, with AMX, fp32; the state gradients carry and dc fp32). Returns the last rec (B, H), the gradient reaching h0 through W_hh
 // (the caller adds carry).
 // fp32 only, optional: dgates_t (4H, T*B) and, from y (T+1, B, H), y_t (H, T*B) receive
 // each step's dpre and h_prev transposed while they are in cache, so the weight gradients
