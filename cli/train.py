@@ -125,8 +125,9 @@ def command(
                                           "scores the average and best/ keeps it (0 = off; needs a run length).",
                                           H_TRAIN, "average")] = None,
     on_overfit: Annotated[str | None, _opt("continue | cool-down: once valid BPC rises at two validations in a "
-                                           "row while train BPC falls, go back to best/, cool half the lr to 0 over "
-                                           "half an --eval-every interval and stop.", H_TRAIN, "on_overfit")] = None,
+                                           "row, or stays 1% above its best at two, while train BPC falls, go back "
+                                           "to best/, cool half the lr to 0 over half an --eval-every interval and "
+                                           "stop.", H_TRAIN, "on_overfit")] = None,
     seed: Annotated[int | None, _opt("Random seed.", H_TRAIN, "seed")] = None,
     device: Annotated[str | None, _opt("auto | cpu | cuda.", H_RUN, default="auto: cuda when available")] = None,
     precision: Annotated[str | None, _opt("auto | fp32 | bf16 | fp16.", H_RUN,

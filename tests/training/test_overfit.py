@@ -22,7 +22,7 @@ from zlm.data.dataset import Dataset
 from zlm.errors import UsageError
 from zlm.model.lm import ModelConfig
 from zlm.training import trainer as trainer_mod
-from zlm.training.schedule import MIN_RISE, OverfitGuard, first_overfit, overfitting
+from zlm.training.schedule import MIN_RISE, OverfitGuard, drifting, first_overfit, overfitting
 
 
 def test_overfitting_needs_two_rises_by_enough_while_the_train_slice_falls():
@@ -35,6 +35,48 @@ def test_overfitting_needs_two_rises_by_enough_while_the_train_slice_falls():
     assert not overfitting([(3.0, None), (3.1, None), (3.3, None)])  # no train slice measured
     assert first_overfit([(3.0, 2.9), (2.9, 2.8), (3.0, 2.7), (3.2, 2.6), (3.5, 2.5)]) == 3
     assert first_overfit([(3.0, 2.9), (2.9, 2.8), (2.8, 2.7)]) is None
+
+
+# A small text validated once a pass: valid drifts up from its best a fraction of a percent a
+# pass, down at every other validation, so it never rises twice in a row (the shape of a
+# 200,000-character tiny Shakespeare at 75 passes), while the train slice keeps falling.
+DRIFT = [(2.30, 2.10), (2.24, 2.00), (2.246, 1.95), (2.244, 1.90), (2.259, 1.85), (2.255, 1.80),
+         (2.266, 1.75), (2.263, 1.70), (2.268, 1.65), (2.264, 1.60)]
+
+
+def test_drifting_needs_two_validations_above_the_best_while_the_train_slice_falls():
+    best = (2.24, 2.00)
+    assert drifting([(2.266, 1.75), (2.268, 1.65)], best)  # both 1% or more above 2.24
+    assert not drifting([(2.266, 1.75), (2.262, 1.70)], best)  # 2.262 < 2.24 x 1.01
+    assert not drifting([(2.266, 1.75)], best)  # one validation
+    assert not drifting([(2.266, 2.05), (2.268, 2.01)], best)  # the train slice is not below its best's
+    assert not drifting([(2.266, 1.75), (2.268, None)], best)  # no train slice measured
+    assert not drifting([(2.266, 1.75), (2.268, 1.65)], (2.24, None))
+    assert not drifting([(2.266, 1.75), (2.268, 1.65)], None)
+    # never twice up in a row: the rising test misses it, drifting sees it at the 8th validation
+    assert not any(overfitting(DRIFT[max(0, k - 2):k + 1]) for k in range(len(DRIFT)))
+    assert first_overfit(DRIFT) == 7
+    guard = OverfitGuard("cool-down")
+    assert [guard.observe(v, t) for v, t in DRIFT[:8]] == [False] * 7 + [True]
+    assert guard.reason == "drifted" and guard.best == (2.24, 2.00)
+    # a new best resets the reference: the same drift 1% above a lower best is not yet one
+    assert first_overfit([*DRIFT[:7], (2.20, 1.62), (2.218, 1.60), (2.221, 1.58)]) is None
+
+
+def test_the_guard_keeps_the_best_across_a_resume():
+    guard = OverfitGuard("cool-down")
+    for v, t in DRIFT[:6]:
+        assert not guard.observe(v, t)
+    again = OverfitGuard("cool-down")
+    again.load_state_dict(guard.state_dict())
+    assert again.best == guard.best == (2.24, 2.00) and again.history == guard.history
+    assert [again.observe(v, t) for v, t in DRIFT[6:8]] == [False, True]
+    old = guard.state_dict()
+    del old["best"]  # a checkpoint written before the guard watched drifting: it watches from there on
+    older = OverfitGuard("cool-down")
+    older.load_state_dict(old)
+    assert older.best is None
+    assert [older.observe(v, t) for v, t in DRIFT[6:8]] == [False, False]
 
 
 def test_the_guard_reacts_once_cools_linearly_and_keeps_its_state():

@@ -17,6 +17,11 @@ eval-mode BPC of the fixed train slice (the generalisation gap's two sides):
     overfitting   valid BPC rose at RISES validations in a row, by MIN_RISE of its value in
                   all, while the train slice's BPC fell over them (the model still learns the
                   train split and loses on held-out text)
+    drifting      or valid BPC scored at least MIN_RISE above the run's best at RISES
+                  validations in a row, while the train slice's BPC is below what it was at
+                  the best: the same, slowly and noisily (a run validated once a pass over a
+                  small text loses a fraction of a percent a pass, up one pass, down the next,
+                  and seldom rises twice in a row)
 
 Once, at the first validation that shows it, the run reloads best/ (what validation scored
 best, the weight average included), starts the weight average afresh, and decays the
@@ -113,6 +118,19 @@ def overfitting(history: Sequence[tuple[float, float | None]], rises: int = RISE
     return rose and last < first
 
 
+def drifting(history: Sequence[tuple[float, float | None]], best: tuple[float, float | None] | None,
+             rises: int = RISES, min_rise: float = MIN_RISE) -> bool:
+    """Whether the last `rises` validations of `history` each scored valid at least `min_rise`
+    of `best`'s valid BPC above it, while the train slice scored better at the last of them
+    than at `best` (the run's best validation before them, (valid BPC, train-slice BPC))."""
+    if best is None or best[1] is None or len(history) < rises:
+        return False
+    recent = history[-rises:]
+    above = all(v >= best[0] * (1 + min_rise) for v, _ in recent)
+    last = recent[-1][1]
+    return above and last is not None and last < best[1]
+
+
 def first_overfit(history: Sequence[tuple[float, float | None]]) -> int | None:
     """The index of the first validation in `history` at which a run's guard reacts (None:
     never): the validations replayed through `OverfitGuard`, as the trainer shows them."""
@@ -143,7 +161,9 @@ class OverfitGuard:
     def __init__(self, mode: str):
         self.mode = mode
         self.history: list[tuple[float, float | None]] = []  # the last RISES + 1 validations
+        self.best: tuple[float, float | None] | None = None  # the best validation before them
         self.cool: CoolDown | None = None
+        self.reason = ""  # what it saw when it reacted: "rose" or "drifted"
 
     def observe(self, valid: float, train_slice: float | None) -> bool:
         """One validation's scores; True when the run should react now (once per run). A
@@ -151,7 +171,16 @@ class OverfitGuard:
         if not math.isfinite(valid):
             return False
         self.history = [*self.history, (valid, train_slice)][-(RISES + 1):]
-        return self.mode == "cool-down" and self.cool is None and overfitting(self.history)
+        # the best is the best validation before the last RISES (the ones drifting compares)
+        if len(self.history) > RISES:
+            entering = self.history[-(RISES + 1)]
+            if self.best is None or entering[0] < self.best[0]:
+                self.best = entering
+        if self.mode != "cool-down" or self.cool is not None:
+            return False
+        self.reason = ("rose" if overfitting(self.history)
+                       else "drifted" if drifting(self.history, self.best) else "")
+        return bool(self.reason)
 
     def react(self, step: int, eval_every: int, lr: float, best_step: int) -> CoolDown:
         """Begin the cool-down at `step`: COOL_STEPS of `eval_every` steps from COOL_LR of `lr`
@@ -171,11 +200,14 @@ class OverfitGuard:
     def state_dict(self) -> dict:
         cool = self.cool
         return {"history": [list(h) for h in self.history],
+                "best": None if self.best is None else list(self.best),
                 "cool_down": None if cool is None else {"at": cool.at, "until": cool.until, "lr": cool.lr,
                                                         "best_step": cool.best_step}}
 
     def load_state_dict(self, state: dict | None) -> None:
         state = state or {}
         self.history = [(float(v), None if t is None else float(t)) for v, t in state.get("history", [])]
+        best = state.get("best")  # absent in a checkpoint written before drifting was watched
+        self.best = None if best is None else (float(best[0]), None if best[1] is None else float(best[1]))
         cool = state.get("cool_down")
         self.cool = None if cool is None else CoolDown(**cool)
