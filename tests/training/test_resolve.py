@@ -11,6 +11,7 @@ import torch
 from conftest import train_run
 from zlm.core.config import TrainConfig
 from zlm.core.metrics import read_metrics
+from zlm.core.reporter import Reporter
 from zlm.core.spec import PRODUCT_NAMES, Resolved
 from zlm.data.dataset import Dataset
 from zlm.errors import CheckpointError
@@ -47,9 +48,17 @@ def test_resume_never_re_resolves_auto(tiny_data, tmp_path, monkeypatch):
     train_run(tmp_path / "run", data, mc, tc)  # started on a CPU without native bf16
     monkeypatch.setattr("zlm.core.precision.cpu_bf16_native", lambda flags=None: True)
     assert resolve.resolve_fresh(tc, mc, CPU).precision == "bf16"  # what a re-resolution would give
-    train_run(tmp_path / "run", data, mc, TrainConfig(**{**tc.to_dict(), "max_steps": 4}), resume=True)
+    shown = []
+
+    class Shown(Reporter):
+        def start(self, info):
+            shown.append(info)
+
+    train_run(tmp_path / "run", data, mc, TrainConfig(**{**tc.to_dict(), "max_steps": 4}), resume=True,
+              reporter=Shown())
     starts = [e for e in read_metrics(tmp_path / "run" / "metrics.jsonl") if e["event"] == "start"]
     assert [s["runtime"] for s in starts] == ["cpu fp32", "cpu fp32"]
+    assert shown[0]["runtime"] == "cpu fp32 (as this run was started)"  # why auto chose it is not stored
     assert json.loads((tmp_path / "run" / "config.json").read_text())["resolved"]["precision"] == "fp32"
 
 

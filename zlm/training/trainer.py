@@ -315,7 +315,7 @@ class Trainer:
         self.rep.start({
             "run": str(self.run_dir), "parameters": f"{self.model.num_parameters():,}",
             "cell": f"{self.cell.name} ({self.cell.reason})",
-            "runtime": f"{self.runtime.describe()} ({self.resolved.why})",
+            "runtime": f"{self.runtime.describe()} ({self.resolved.why or 'as this run was started'})",
             "cuda graphs": self.graphs_line, "processes": self.par.describe(), "train split": self.data_line,
             "data": f"{self.data.path} ({self.data.meta['tokenizer']['kind']}, vocab {self.data.vocab_size}, "
                     f"{info.tokens:,} train tokens)",
