@@ -181,6 +181,21 @@ def test_a_run_that_overfits_goes_back_to_best_cools_down_and_stops(tiny_data, t
     assert not [e for e in read_metrics(tmp_path / "on" / "metrics.jsonl") if e["event"] == "overfit"]
 
 
+def test_a_run_that_drifts_reacts_too(tiny_data, tmp_path, scripted, monkeypatch):
+    """Valid up then down, both 1% or more above the best: never two rises in a row."""
+    monkeypatch.setitem(VALID, 20, 3.05)
+    monkeypatch.setitem(VALID, 30, 3.04)
+    data = Dataset.open(tiny_data)
+    rec = Recorder()
+    summary = train_run(tmp_path / "run", data, *_cfgs(data), reporter=rec)
+    (said,) = [m for m in rec.messages if m.startswith("overfitting")]
+    assert ("valid BPC stayed 1% or more above its best, 3.000, at the last 2 validations (3.050, 3.040) "
+            "while the train slice's fell below its 2.900 there (to 2.700); back to best/ (step 10, 3.000)") in said
+    assert summary["step"] == 35 and summary["overfit_at"] == 30
+    (overfit,) = [e for e in read_metrics(tmp_path / "run" / "metrics.jsonl") if e["event"] == "overfit"]
+    assert overfit["reason"] == "drifted" and overfit["best_step"] == 10
+
+
 def test_a_cool_down_resumes_exactly(tiny_data, tmp_path, scripted):
     data = Dataset.open(tiny_data)
     mc, tc = _cfgs(data)

@@ -273,10 +273,10 @@ class Trainer:
         ckpt.load_weights(self.model, best.model, best.path)
         best_step = int(ckpt.read_json(best.path / "trainer.json", "best/'s trainer state")["step"])
         self.average.load({}, 0)
-        cool = self.guard.react(s.step, self.cfg.eval_every, self.schedule.lr(s.step, s.elapsed), best_step)
-        valid = " -> ".join(f"{v:.3f}" for v, _ in self.guard.history)
-        train = " -> ".join(f"{t:.3f}" for _, t in self.guard.history)
         g = self.guard
+        cool = g.react(s.step, self.cfg.eval_every, self.schedule.lr(s.step, s.elapsed), best_step)
+        valid = " -> ".join(f"{v:.3f}" for v, _ in g.history)
+        train = " -> ".join(f"{t:.3f}" for _, t in g.history)
         last = ", ".join(f"{v:.3f}" for v, _ in g.history[-RISES:])
         seen = (f"valid BPC rose at the last validations ({valid}) while the train slice's fell ({train})"
                 if g.reason == "rose" else
@@ -287,8 +287,8 @@ class Trainer:
                          f"cooled from {cool.lr:.3g} ({COOL_LR:g} x the schedule's) to 0 over "
                          f"{cool.until - cool.at} steps, then the run stops (--on-overfit cool-down)")
         if self.par.is_main:
-            self.log.write("overfit", step=s.step, reason=g.reason, best_step=best_step, lr=cool.lr, until=cool.until,
-                           valid=[v for v, _ in self.guard.history], train_slice=[t for _, t in self.guard.history])
+            self.log.write("overfit", step=s.step, reason=g.reason, best_step=best_step, lr=cool.lr,
+                           until=cool.until, valid=[v for v, _ in g.history], train_slice=[t for _, t in g.history])
 
     def _train_slice_bpc(self) -> float:
         """BPC in eval mode on the first `gap_tokens` tokens of the train split, measured as
