@@ -182,6 +182,17 @@ class OverfitGuard:
                        else "drifted" if drifting(self.history, self.best) else "")
         return bool(self.reason)
 
+    def seen(self) -> str:
+        """What the validations showed when the guard reacted, for the run's log line."""
+        valid = [f"{v:.3f}" for v, _ in self.history]
+        if self.reason == "rose":
+            train = " -> ".join(f"{t:.3f}" for _, t in self.history)
+            return f"valid BPC rose at the last validations ({' -> '.join(valid)}) while the train slice's fell ({train})"
+        best_valid, best_train = self.best
+        return (f"valid BPC stayed {MIN_RISE:.0%} or more above its best, {best_valid:.3f}, at the last {RISES} "
+                f"validations ({', '.join(valid[-RISES:])}) while the train slice's fell below its "
+                f"{best_train:.3f} there (to {self.history[-1][1]:.3f})")
+
     def react(self, step: int, eval_every: int, lr: float, best_step: int) -> CoolDown:
         """Begin the cool-down at `step`: COOL_STEPS of `eval_every` steps from COOL_LR of `lr`
         (the schedule's learning rate now) to 0."""
@@ -206,8 +217,14 @@ class OverfitGuard:
 
     def load_state_dict(self, state: dict | None) -> None:
         state = state or {}
-        self.history = [(float(v), None if t is None else float(t)) for v, t in state.get("history", [])]
+        self.history = [_scores(h) for h in state.get("history", [])]
         best = state.get("best")  # absent in a checkpoint written before drifting was watched
-        self.best = None if best is None else (float(best[0]), None if best[1] is None else float(best[1]))
+        self.best = None if best is None else _scores(best)
         cool = state.get("cool_down")
         self.cool = None if cool is None else CoolDown(**cool)
+
+
+def _scores(pair) -> tuple[float, float | None]:
+    """(valid BPC, train-slice BPC or None) as trainer.json stores them."""
+    valid, train = pair
+    return float(valid), None if train is None else float(train)

@@ -41,7 +41,7 @@ from zlm.training.init_from import load_parent_weights
 from zlm.training.plan import Plan
 from zlm.training.resolve import cell_for
 from zlm.training.run_dir import RunDir
-from zlm.training.schedule import COOL_LR, MIN_RISE, RISES, LRSchedule, OverfitGuard
+from zlm.training.schedule import COOL_LR, LRSchedule, OverfitGuard
 from zlm.training.state import Checkpointer, RNGState, TrainState
 from zlm.training.step import TrainStep, build_optimizer, describe_mode, step_mode
 
@@ -275,15 +275,7 @@ class Trainer:
         self.average.load({}, 0)
         g = self.guard
         cool = g.react(s.step, self.cfg.eval_every, self.schedule.lr(s.step, s.elapsed), best_step)
-        valid = " -> ".join(f"{v:.3f}" for v, _ in g.history)
-        train = " -> ".join(f"{t:.3f}" for _, t in g.history)
-        last = ", ".join(f"{v:.3f}" for v, _ in g.history[-RISES:])
-        seen = (f"valid BPC rose at the last validations ({valid}) while the train slice's fell ({train})"
-                if g.reason == "rose" else
-                f"valid BPC stayed {MIN_RISE:.0%} or more above its best, {g.best[0]:.3f}, at the last "
-                f"{RISES} validations ({last}) while the train slice's fell below its {g.best[1]:.3f} there "
-                f"(to {g.history[-1][1]:.3f})")
-        self.rep.message(f"overfitting: {seen}; back to best/ (step {best_step}, {s.best_bpc:.3f}), lr "
+        self.rep.message(f"overfitting: {g.seen()}; back to best/ (step {best_step}, {s.best_bpc:.3f}), lr "
                          f"cooled from {cool.lr:.3g} ({COOL_LR:g} x the schedule's) to 0 over "
                          f"{cool.until - cool.at} steps, then the run stops (--on-overfit cool-down)")
         if self.par.is_main:
