@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gzip
+import shutil
+import subprocess
 
 import pytest
 from hypothesis import given, settings
@@ -93,6 +95,44 @@ def test_nul_and_binary_refused(tmp_path):
     binary.write_bytes(bytes(range(1, 32)) * 20)
     with pytest.raises(DataError, match="binary"):
         list(iter_bytes([binary]))
+
+
+WIDE = [("utf-16", "UTF-16"), ("utf-16-le", "UTF-16LE"), ("utf-16-be", "UTF-16BE"), ("utf-32", "UTF-32")]
+
+
+@pytest.mark.parametrize("encoding,name", WIDE)
+@pytest.mark.parametrize("text", ["hello world\n" * 300, "中文字 " * 300])
+@pytest.mark.parametrize("gz", [False, True])
+def test_wide_encodings_are_named_with_their_conversion(tmp_path, encoding, name, text, gz):
+    """UTF-16/32 text is refused as before (NUL bytes, or not UTF-8), but the one-line error
+    names the encoding and the iconv command that converts it, which this test runs."""
+    path = tmp_path / "wide.txt"
+    raw = text.encode(encoding)
+    path.write_bytes(gzip.compress(raw) if gz else raw)
+    with pytest.raises(DataError) as e:
+        _read([path])
+    msg = str(e.value)
+    assert f"{name} text; zlm reads UTF-8" in msg and f"iconv -f {name} -t UTF-8 {path}" in msg
+    assert "\n" not in msg
+    if not gz and shutil.which("iconv"):
+        out = tmp_path / "wide-utf8.txt"
+        subprocess.run(f"iconv -f {name} -t UTF-8 {path} > {out}", shell=True, check=True)
+        assert _read([out]) == text
+
+
+def test_utf16_without_mark_or_nul_is_reported_as_invalid_utf8(tmp_path):
+    path = tmp_path / "wide.txt"
+    path.write_bytes("中文字".encode("utf-16-be") * 100)  # 4e 2d 65 87 ...: 0x87 cannot start a character
+    with pytest.raises(DataError, match="invalid UTF-8 at byte offset 3"):
+        _read([path])
+
+
+def test_binary_with_nul_bytes_is_not_taken_for_utf16(tmp_path):
+    path = tmp_path / "bin.dat"
+    path.write_bytes(bytes(range(256)) * 40)
+    with pytest.raises(DataError, match="binary") as e:
+        _read([path])
+    assert "UTF-16" not in str(e.value)
 
 
 def test_ptb_char_decoder_streaming():

@@ -6,7 +6,8 @@ Owns everything between a SOURCE on disk and the text (or bytes) a tokenizer see
   recursively in sorted order of relative path (hidden files and folders skipped);
 - reading them in fixed-size chunks (`iter_bytes`), gzip-decompressed when a file
   starts with the gzip magic bytes, a UTF-8 byte order mark at the start of each file
-  stripped, NUL bytes and mostly-binary files refused;
+  stripped, NUL bytes and mostly-binary files refused (UTF-16 and UTF-32 text, which is
+  both, is named as such with the command that converts it: `_wide_encoding`);
 - strict incremental UTF-8 decoding (`iter_text`): a multi-byte character split across
   chunks decodes exactly as if read whole; invalid UTF-8 is a `DataError` naming the
   file and byte offset. Line endings are kept as they are (CRLF stays CRLF);
@@ -40,6 +41,10 @@ _CONTROL = np.ones(256, dtype=bool)  # bytes that do not occur in text
 _CONTROL[32:] = False
 _CONTROL[list(b"\t\n\v\f\r\x1b")] = False
 _BINARY_FRACTION = 0.3  # more control bytes than this in the first 64 KB -> binary
+_WIDE_BOMS = ((b"\xff\xfe\0\0", "UTF-32"), (b"\0\0\xfe\xff", "UTF-32"), (b"\xff\xfe", "UTF-16"),
+              (b"\xfe\xff", "UTF-16"))  # longest first: UTF-32LE's mark starts with UTF-16LE's; iconv reads the mark
+_WIDE_NUL_SHARE = 0.1  # UTF-16 without a mark: NUL at this share of one parity's bytes (ASCII: spaces, newlines)
+# and at almost none of the other's
 
 OnRead = Callable[[int], None]  # called with the number of on-disk bytes just consumed
 
@@ -121,8 +126,8 @@ def _read_file(path, chunk_bytes, on_read, hasher) -> Iterator[tuple[int, bytes]
                     data, start = data[len(_BOM):], len(_BOM)
             nul = data.find(b"\0")
             if nul >= 0:
-                raise DataError(f"{path}: NUL byte at byte offset {start + nul}: this looks "
-                                "like a binary file; pass a text file")
+                raise _wide_error(path, gz) or DataError(
+                    f"{path}: NUL byte at byte offset {start + nul}: this looks like a binary file; pass a text file")
             offset = start + len(data)
             yield start, data
 
@@ -138,8 +143,41 @@ def _check_not_binary(path, gz: bool) -> None:
         return
     controls = np.count_nonzero(_CONTROL[head])
     if controls > _BINARY_FRACTION * head.size:
-        raise DataError(f"{path}: mostly control bytes: this looks like a binary file; "
-                        "pass a text file")
+        raise _wide_error(path, gz, head.tobytes()) or DataError(
+            f"{path}: mostly control bytes: this looks like a binary file; pass a text file")
+
+
+def _wide_encoding(head: bytes) -> str | None:
+    """The UTF-16 or UTF-32 encoding `head` (a file's first bytes) is in, by its byte order
+    mark or, for UTF-16 without one, by NUL bytes at one parity of offsets (the high byte of
+    Latin-script characters) and almost none at the other; None for anything else."""
+    for mark, name in _WIDE_BOMS:
+        if head.startswith(mark):
+            return name
+    pairs = np.frombuffer(head[:len(head) // 2 * 2], dtype=np.uint8).reshape(-1, 2)
+    if len(pairs) < 32:  # too few characters to tell by
+        return None
+    even, odd = (np.count_nonzero(pairs[:, i] == 0) / len(pairs) for i in (0, 1))
+    if odd >= _WIDE_NUL_SHARE and even < 0.01:
+        return "UTF-16LE"
+    if even >= _WIDE_NUL_SHARE and odd < 0.01:
+        return "UTF-16BE"
+    return None
+
+
+def _wide_error(path, gz: bool, head: bytes | None = None) -> DataError | None:
+    """The error for a UTF-16 or UTF-32 file (one line, with the conversion), else None."""
+    if head is None:
+        try:
+            with (gzip.open if gz else open)(path, "rb") as f:
+                head = f.read(65536)
+        except (OSError, EOFError, zlib.error):
+            return None
+    name = _wide_encoding(head)
+    if name is None:
+        return None
+    return DataError(f"{path}: {name} text; zlm reads UTF-8: convert it first, e.g. "
+                     f"iconv -f {name} -t UTF-8 {path} > {pathlib.Path(path).stem}-utf8.txt")
 
 
 def iter_bytes(files: Sequence[pathlib.Path], chunk_bytes: int = CHUNK_BYTES,
@@ -164,7 +202,8 @@ def iter_text(files: Sequence[pathlib.Path], chunk_bytes: int = CHUNK_BYTES,
             try:
                 text = dec.decode(data)
             except UnicodeDecodeError as e:
-                raise _utf8_error(path, offset - pending + e.start, e.object[e.start]) from None
+                raise _wide_error(path, _is_gzip(path)) or _utf8_error(
+                    path, offset - pending + e.start, e.object[e.start]) from None
             end = offset + len(data)
             text = ptb.feed(text) if ptb is not None else text
             if text:
