@@ -28,7 +28,7 @@ def command(
              "the same one).", metavar="RUN_OR_CHECKPOINT", show_default=False)],
     file: Annotated[Path, typer.Argument(help="Any file (text or not).", show_default=False)],
     out: Annotated[Path | None, typer.Option(
-        "--out", "-o", help="Output path [default: FILE.zlmz].", show_default=False)] = None,
+        "--out", "-o", help="Output path \\[default: FILE.zlmz].", show_default=False)] = None,
     adapt: Annotated[bool, typer.Option(
         "--adapt", help="Dynamic evaluation while coding (decompression repeats it): "
         "smaller files, about 2-3x slower.")] = False,
@@ -38,7 +38,7 @@ def command(
     segment: Annotated[int, typer.Option(
         help="--adapt: steps per segment (one update each).")] = DEFAULT_SEGMENT,
     streams: Annotated[int | None, typer.Option(
-        help="Parallel streams S [default: one per 2048 bytes and per 512 bytes of the "
+        help="Parallel streams S \\[default: one per 2048 bytes and per 512 bytes of the "
              "file's zlib size, at most 64]: more is faster, each costs a cold start.",
         show_default=False)] = None,
     force: Annotated[bool, typer.Option("--force", "-f", help="Overwrite OUT.")] = False,
@@ -62,7 +62,7 @@ def decompress(
         metavar="RUN_OR_CHECKPOINT", show_default=False)],
     file: Annotated[Path, typer.Argument(help="A .zlmz file.", show_default=False)],
     out: Annotated[Path | None, typer.Option(
-        "--out", "-o", help="Output path [default: FILE without .zlmz].",
+        "--out", "-o", help="Output path \\[default: FILE without .zlmz].",
         show_default=False)] = None,
     force: Annotated[bool, typer.Option("--force", "-f", help="Overwrite OUT.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,

@@ -28,13 +28,13 @@ def command(
              "directory.", metavar="RUN_OR_CHECKPOINT", show_default=False)],
     split: Annotated[str | None, typer.Option(
         help="valid | test: a split of the DATA_DIR the model was trained on "
-             "[default: valid].", show_default=False)] = None,
+             "\\[default: valid].", show_default=False)] = None,
     file: Annotated[Path | None, typer.Option(
         "--file", help="Score this UTF-8 text file instead of a split.",
         show_default=False)] = None,
     batch_size: Annotated[int | None, typer.Option(
         help="Parallel streams the text is cut into (each starts from a zero state) "
-             "[default: 16; 1 with --dynamic, as Krause et al.: one stream adapts to all "
+             "\\[default: 16; 1 with --dynamic, as Krause et al.: one stream adapts to all "
              "the text before it].", show_default=False)] = None,
     bptt: Annotated[int, typer.Option(
         help="Window length in tokens; the state is carried across windows.")] = 256,

@@ -23,7 +23,7 @@ def command(
         "-o", "--out", help="Directory to write: the model, its tokenizer, zlm-export.json.",
         metavar="OUT", show_default=False)],
     format: Annotated[str, typer.Option(
-        "--format", help="onnx (needs pip install 'zlm[export]') | torch-export (.pt2).")] = "onnx",
+        "--format", help="onnx (needs pip install 'zlm\\[export]') | torch-export (.pt2).")] = "onnx",
     force: Annotated[bool, typer.Option(help="Replace OUT if it exists.")] = False,
 ) -> None:
     """Export the eval-mode model as a single-step function (tokens, h, c -> logits, h, c)."""

@@ -31,7 +31,7 @@ def command(
         show_default=False)],
     out: Annotated[Path | None, typer.Option(
         "--out", "-o", help="Write the figure here (PNG; needs matplotlib: "
-                            "pip install 'zlm[plot]'). Without it: a terminal view.",
+                            "pip install 'zlm\\[plot]'). Without it: a terminal view.",
         show_default=False)] = None,
     x: Annotated[str, typer.Option(
         "--x", help="x axis: chars (characters seen) | time (wall-clock training time).")]

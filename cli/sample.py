@@ -43,7 +43,7 @@ def command(
         show_default=False)] = None,
     seed: Annotated[int | None, typer.Option(
         help="Random seed: the same seed gives the same text on this machine "
-             "[default: random, printed to stderr].", show_default=False)] = None,
+             "\\[default: random, printed to stderr].", show_default=False)] = None,
     num_samples: Annotated[int, typer.Option(
         help="Samples generated together as one batch.")] = 1,
     device: Annotated[str, typer.Option(help="auto | cpu | cuda.")] = "auto",
