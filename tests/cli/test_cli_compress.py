@@ -128,6 +128,10 @@ def test_refusals_are_one_line_and_write_nothing(runs, tmp_path):
 def test_usage_errors(runs, tmp_path):
     res = invoke("compress", runs[0], tmp_path / "missing.txt")
     assert res.exit_code == 2 and "does not exist" in res.output
+    (tmp_path / "folder").mkdir()
+    for cmd in ("compress", "decompress"):
+        res = invoke(cmd, runs[0], tmp_path / "folder")
+        assert res.exit_code == 2 and "is a directory; pass a file" in res.output, res.output
     src = tmp_path / "x.txt"
     src.write_text("abc")
     (tmp_path / "x.txt.zlmz").write_text("old")

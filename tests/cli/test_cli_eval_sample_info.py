@@ -187,3 +187,9 @@ def test_missing_training_data_suggests_file(run, tmp_path):
     _rewrite_manifest(ck)
     res = runner.invoke(app, ["eval", str(ck)])
     assert res.exit_code == 1 and "--file" in res.output and "Traceback" not in res.output
+
+
+def test_eval_file_that_is_missing_or_a_folder(run, tmp_path):
+    for path, words in ((tmp_path / "nope.txt", "does not exist"), (tmp_path, "is a directory")):
+        res = runner.invoke(app, ["eval", str(run), "--file", str(path)])
+        assert res.exit_code == 2 and f"--file {path} {words}; pass a UTF-8 text file" in res.output, res.output

@@ -212,3 +212,21 @@ def test_the_python_api_trains_through_the_same_plan(tmp_path):
     assert zlm.load(tmp_path / "api").sample(length=5, seed=1)
     with pytest.raises(UsageError, match="unknown option"):
         zlm.train(_tiny(tmp_path), out=tmp_path / "bad", hiden=16)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--time-budget", "0s"], "--time-budget must be > 0"),
+    (["--hidden", "0"], "--hidden must be >= 1"),
+    (["--reset-prob", "1"], "--reset-prob must be in [0, 1)"),
+    (["--optimizer", "lion"], "unknown optimizer 'lion'"),
+    (["--preset", "nope"], "unknown preset 'nope'"),
+])
+def test_a_bad_option_value_is_refused_before_anything_is_written(tmp_path, monkeypatch, args, needle):
+    """The run directory (and the data prepared into it) would be left behind, and the next
+    try would get the next free name."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "corpus.txt").write_text(_text(5000, 1), encoding="utf-8")
+    res = CliRunner().invoke(app, ["train", "corpus.txt", *args])
+    assert res.exit_code == 2, res.output
+    assert res.output.strip().splitlines()[-1].startswith("error:") and needle in res.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt"]

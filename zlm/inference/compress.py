@@ -475,6 +475,8 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 def read_input(path: Path, what: str) -> bytes:
     path = Path(path)
+    if path.is_dir():
+        raise UsageError(f"{what} {path} is a directory; pass a file (for a folder: tar it first)")
     if not path.is_file():
         raise UsageError(f"{what} {path} does not exist; pass a file")
     return path.read_bytes()

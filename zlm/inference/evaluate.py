@@ -153,11 +153,17 @@ class EvalResult:
         }
 
 
+def _check_file(path: Path) -> None:
+    if path.is_dir():
+        raise UsageError(f"--file {path} is a directory; pass a UTF-8 text file")
+    if not path.is_file():
+        raise UsageError(f"--file {path} does not exist; pass a UTF-8 text file")
+
+
 def read_text_file(path: Path) -> str:
     """A UTF-8 text file, or a one-line error."""
     path = Path(path)
-    if not path.is_file():
-        raise UsageError(f"--file {path} does not exist; pass a UTF-8 text file")
+    _check_file(path)
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
@@ -197,7 +203,7 @@ def evaluate_loaded(lm, config: EvalConfig) -> EvalResult:
 def evaluate(path, config: EvalConfig = EvalConfig()) -> EvalResult:
     """`zlm eval`: load a RUN_DIR or checkpoint and score a split or a text file."""
 
-    if config.file is not None and not Path(config.file).is_file():  # before loading the model
-        raise UsageError(f"--file {config.file} does not exist; pass a UTF-8 text file")
+    if config.file is not None:  # before loading the model
+        _check_file(Path(config.file))
     lm = load_model(path, config.device, config.precision, config.cell)
     return evaluate_loaded(lm, config)

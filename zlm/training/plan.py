@@ -79,6 +79,7 @@ def plan(source: str | Path, options: Options = Options(), *, out: Path | None =
         data = _wait_for_data(source, run_dir)
         return Plan(run_dir, _fresh(data, options, preset, world, rep, use_rule=False))
     RunDir(run_dir).check(resume)
+    check_values(options, preset)
     if restarted:
         rep.message(f"elastic restart {distributed.restart_count()}: resuming from the latest checkpoint")
     data = open_or_prepare(source, run_dir, mirror, rep, unknown, None if parent is None else parent.path)
@@ -95,6 +96,14 @@ def plan(source: str | Path, options: Options = Options(), *, out: Path | None =
             rep.message(f"initialised from {parent.path} ({parent.spec.model.layers}x{parent.spec.model.hidden}, "
                         f"vocabulary {parent.spec.model.vocab_size} -> {spec.model.vocab_size})")
     return Plan(run_dir, spec, latest)
+
+
+def check_values(options: Options, preset: str | Preset | None) -> None:
+    """Refuse a bad option value (or preset name) before the data is prepared into the run
+    directory: the configs' own checks, run on the preset with the options applied. The
+    vocabulary is not known yet and takes part in no check of an option's value."""
+    base = preset if isinstance(preset, Preset) else get_preset(preset)
+    options.apply(base.model, base.train, vocab_size=0)
 
 
 def replay(stored: RunSpec, data: Dataset, options: Options, preset: Preset | None = None) -> RunSpec | None:
