@@ -6,8 +6,9 @@ Owns everything between a SOURCE on disk and the text (or bytes) a tokenizer see
   recursively in sorted order of relative path (hidden files and folders skipped);
 - reading them in fixed-size chunks (`iter_bytes`), gzip-decompressed when a file
   starts with the gzip magic bytes, a UTF-8 byte order mark at the start of each file
-  stripped, NUL bytes and mostly-binary files refused (UTF-16 and UTF-32 text, which is
-  both, is named as such with the command that converts it: `_wide_encoding`);
+  stripped, NUL bytes and mostly-binary files refused (a UTF-16 or UTF-32 file, refused
+  too, by an error that names its encoding and the command that converts it:
+  `_wide_encoding`);
 - strict incremental UTF-8 decoding (`iter_text`): a multi-byte character split across
   chunks decodes exactly as if read whole; invalid UTF-8 is a `DataError` naming the
   file and byte offset. Line endings are kept as they are (CRLF stays CRLF);
