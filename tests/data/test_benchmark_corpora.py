@@ -57,6 +57,23 @@ def test_files_rule_is_sorted_filtered_and_normalised(tmp_path):
     assert stats["vocabulary"] == len(set(text))
 
 
+def test_files_rule_without_subfolders_and_cut_to_whole_characters(tmp_path):
+    rule = fake_fortunes(tmp_path)
+    flat = {**rule, "recursive": False}
+    assert [p.name for p in bm.rule_files(tmp_path, flat)] == ["a", "b"]  # sub/c left out
+    whole = bm.assemble(tmp_path, flat)
+    assert whole == "first without newline\nsecond\n%\nзвезда\n"
+    at = whole.encode().index("звезда".encode())
+    for cap, expect in ((at + 3, whole[:whole.index("звезда") + 1]),  # 1.5 Cyrillic letters: back to 1
+                        (at + 4, whole[:whole.index("звезда") + 2]), (10**6, whole), (1, "f")):
+        cut = bm.assemble(tmp_path, {**flat, "max_bytes": cap})
+        assert cut == expect and len(cut.encode()) <= cap
+    for bad, words in (({"recursive": "no"}, "recursive 'no'"), ({"max_bytes": 0}, "max_bytes 0"),
+                       ({"max_bytes": 1.5}, "max_bytes 1.5"), ({"max_bytes": True}, "max_bytes True")):
+        with pytest.raises(DataError, match=words):
+            bm.assemble(tmp_path, {**rule, **bad})
+
+
 def test_files_rule_errors_are_one_line(tmp_path):
     rule = fake_fortunes(tmp_path)
     write(tmp_path / rule["root"] / "bad", b"caf\xe9\n")
@@ -239,6 +256,21 @@ def test_shipped_benchmark_set():
 
 
 HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+def test_unseen_texts_are_pinned_and_in_no_benchmark():
+    """corpora/unseen.json: the texts the defaults are checked on out of sample."""
+    from importlib import resources
+
+    unseen = bm.load_benchmark(resources.files("zlm.corpora").joinpath("unseen.json"))
+    assert len(unseen) >= 3
+    assert not {c.name for c in unseen} & {c.name for c in bm.load_benchmark()}
+    packages = {c.source.get("package") for c in bm.load_benchmark()}
+    for c in unseen:
+        assert c.source["type"] == "deb" and c.source["package"] not in packages, c.name
+        assert HEX64.fullmatch(c.source["sha256"]) and HEX64.fullmatch(c.text["sha256"]), c.name
+        assert c.text["bytes"] >= c.text["characters"] > 1_000_000 and c.license and c.kind
+        bm.check_files_rule(c.assemble)
 
 
 def test_shipped_set_covers_the_kinds_of_text():

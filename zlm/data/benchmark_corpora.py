@@ -122,7 +122,8 @@ def decode_utf8(data: bytes, where: str) -> str:
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
-FILES_OPTIONS = ("method", "root", "suffix", "exclude_suffixes", "decompress", "strip_ansi")
+FILES_OPTIONS = ("method", "root", "suffix", "exclude_suffixes", "decompress", "strip_ansi", "recursive",
+                 "max_bytes")
 DECOMPRESS = ("gzip",)
 # An ANSI SGR (colour) sequence: ESC [ parameters m (fortunes-zh colours its titles).
 ANSI_SGR = re.compile(r"\x1b\[[0-9;]*m")
@@ -132,13 +133,16 @@ def rule_files(root: pathlib.Path, rule: dict) -> list[pathlib.Path]:
     """The files a "files" rule reads: under root/rule["root"], sorted by relative path
     (the order of its parts, not of the platform's directory listing), filtered by
     "suffix" and "exclude_suffixes" (on the file's name as the package has it, .gz
-    included); symbolic links skipped (fortune's .u8 aliases, man page aliases)."""
+    included); symbolic links skipped (fortune's .u8 aliases, man page aliases); with
+    "recursive": false, the files of the folder itself and none of its subfolders'."""
     base = root / rule["root"]
     if not base.is_dir():
         raise DataError(f"{rule['root']} is not a folder of the unpacked package; the package "
                         "is not the pinned one")
     found = []
     for folder, dirs, names in os.walk(base):
+        if not rule.get("recursive", True):
+            dirs.clear()  # the folder's own files only
         dirs.sort()
         for n in names:
             p = pathlib.Path(folder) / n
@@ -161,6 +165,11 @@ def check_files_rule(rule: dict) -> None:
     if rule.get("decompress") not in (None, *DECOMPRESS):
         raise DataError(f"benchmark.json: decompress {rule['decompress']!r}; use "
                         f"{' or '.join(DECOMPRESS)}")
+    if rule.get("recursive", True) not in (True, False):
+        raise DataError(f"benchmark.json: recursive {rule['recursive']!r}; use true or false")
+    cap = rule.get("max_bytes")
+    if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
+        raise DataError(f"benchmark.json: max_bytes {cap!r}; use a whole number of bytes, at least 1")
 
 
 def gunzip(data: bytes, where: str) -> bytes:
@@ -201,7 +210,9 @@ def assemble_files(root: pathlib.Path, rule: dict) -> str:
     Options besides "root": "suffix" (only names ending so), "exclude_suffixes" (a list;
     names ending so are left out), "decompress": "gzip" (every file read is gzip - man
     pages' .gz, dictd's dictzip .dict.dz - and its contents are the text), "strip_ansi":
-    true (ANSI SGR colour sequences removed from each file's text)."""
+    true (ANSI SGR colour sequences removed from each file's text), "recursive": false
+    (the root folder's own files only), "max_bytes": N (the text cut to its first N bytes
+    of UTF-8, back to the last whole character: a large package's first few MB)."""
     check_files_rule(rule)
     parts = []
     for p in rule_files(root, rule):
@@ -210,7 +221,10 @@ def assemble_files(root: pathlib.Path, rule: dict) -> str:
     if not parts:
         raise DataError(f"no files under {rule['root']} match the rule; the package is not "
                         "the pinned one")
-    return "".join(parts)
+    text = "".join(parts)
+    if rule.get("max_bytes") is not None:
+        text = text.encode("utf-8")[:rule["max_bytes"]].decode("utf-8", errors="ignore")
+    return text
 
 
 def assemble_sword(root: pathlib.Path, rule: dict) -> str:
