@@ -7,6 +7,8 @@ keeps its traceback.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 
 class ZlmError(Exception):
     """A runtime failure the user can act on (exit code 1)."""
@@ -32,3 +34,12 @@ class NonFiniteError(ZlmError):
     """Training stopped after too many non-finite losses in a row (exit code 3)."""
 
     exit_code = 3
+
+
+def require_file(path: Path, what: str, want: str) -> None:
+    """A UsageError unless `path` is a file: it does not exist, or is a directory.
+    what: how the user named it ("--file", "FILE"); want: what to pass instead."""
+    if path.is_dir():
+        raise UsageError(f"{what} {path} is a directory; pass {want}")
+    if not path.is_file():
+        raise UsageError(f"{what} {path} does not exist; pass {want}")

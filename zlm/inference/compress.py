@@ -54,7 +54,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from zlm.errors import UsageError, ZlmError
+from zlm.errors import UsageError, ZlmError, require_file
 from zlm.inference.dynamic import DynamicConfig
 from zlm.inference.load import LoadedModel, load_model
 from zlm.inference.modelcoder import (
@@ -475,8 +475,5 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 def read_input(path: Path, what: str) -> bytes:
     path = Path(path)
-    if path.is_dir():
-        raise UsageError(f"{what} {path} is a directory; pass a file (for a folder: tar it first)")
-    if not path.is_file():
-        raise UsageError(f"{what} {path} does not exist; pass a file")
+    require_file(path, what, "a file")
     return path.read_bytes()

@@ -17,7 +17,7 @@ from zlm.core.eval_protocol import EvalProtocol, evaluate_predictions, evaluate_
 from zlm.core.metrics import Score
 from zlm.data.dataset import Dataset
 from zlm.data.tokenizers import check_unknown, context_ids
-from zlm.errors import DataError, UsageError
+from zlm.errors import DataError, UsageError, require_file
 from zlm.inference.dynamic import DynamicConfig, dynamic_score_predictions
 from zlm.inference.load import load_model
 
@@ -153,17 +153,10 @@ class EvalResult:
         }
 
 
-def _check_file(path: Path) -> None:
-    if path.is_dir():
-        raise UsageError(f"--file {path} is a directory; pass a UTF-8 text file")
-    if not path.is_file():
-        raise UsageError(f"--file {path} does not exist; pass a UTF-8 text file")
-
-
 def read_text_file(path: Path) -> str:
     """A UTF-8 text file, or a one-line error."""
     path = Path(path)
-    _check_file(path)
+    require_file(path, "--file", "a UTF-8 text file")
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
@@ -204,6 +197,6 @@ def evaluate(path, config: EvalConfig = EvalConfig()) -> EvalResult:
     """`zlm eval`: load a RUN_DIR or checkpoint and score a split or a text file."""
 
     if config.file is not None:  # before loading the model
-        _check_file(Path(config.file))
+        require_file(Path(config.file), "--file", "a UTF-8 text file")
     lm = load_model(path, config.device, config.precision, config.cell)
     return evaluate_loaded(lm, config)

@@ -102,8 +102,13 @@ def check_values(options: Options, preset: str | Preset | None) -> None:
     """Refuse a bad option value (or preset name) before the data is prepared into the run
     directory: the configs' own checks, run on the preset with the options applied. The
     vocabulary is not known yet and takes part in no check of an option's value."""
-    base = preset if isinstance(preset, Preset) else get_preset(preset)
+    base = _base(preset)
     options.apply(base.model, base.train, vocab_size=0)
+
+
+def _base(preset: str | Preset | None) -> Preset:
+    """The preset a run starts from: a library caller's own, or the named one (None: the default)."""
+    return preset if isinstance(preset, Preset) else get_preset(preset)
 
 
 def replay(stored: RunSpec, data: Dataset, options: Options, preset: Preset | None = None) -> RunSpec | None:
@@ -139,7 +144,7 @@ def _small(rule: DefaultsRule | None) -> tuple[int, float] | None:
 def _fresh(data: Dataset, options: Options, preset: str | Preset | None, world: int, rep: Reporter,
            use_rule: bool = True, speed: float | None | object = PROBE,
            small: tuple[int, float] | None = None) -> RunSpec:
-    base = preset if isinstance(preset, Preset) else get_preset(preset)
+    base = _base(preset)
     rule = _rule(base, data, options, world, rep, speed, small) if preset is None and use_rule else None
     chosen = (rule.settings if rule is not None else Options()) | options
     model, train = chosen.apply(base.model, base.train, data.vocab_size)
