@@ -1,6 +1,6 @@
 """Shared fixtures and helpers: the text the tests read (shipped in tests/corpora), tiny
 prepared datasets built directly, PTB-char files written from that text, and the CI rule
-that no test may skip there unless it is marked gpu."""
+that no test may skip there unless it is marked gpu (or cpu_feature, on a CPU without it)."""
 
 from __future__ import annotations
 
@@ -141,6 +141,32 @@ def tiny_data(tmp_path) -> pathlib.Path:
 # extra names, so such a skip there is a broken environment or a broken test: it fails.
 # The hooks see every way to skip: pytest.skip in a test or fixture, skipif marks,
 # importorskip (in a test, or at module level: a collection skip), and xfail.
+# What no install can add is the CPU's instruction set: a test marked
+# cpu_feature("bf16") or cpu_feature("amx") may skip under CI where /proc/cpuinfo shows
+# this CPU really lacks it (native bf16: AVX512-BF16 or AMX; AMX's bf16 tiles).
+CPU_FEATURES = {"bf16": {"avx512_bf16", "amx_bf16"}, "amx": {"amx_bf16"}}  # any one of the flags
+
+
+def cpu_lacks(feature: str) -> bool:
+    """Whether this CPU lacks `feature` (a key of CPU_FEATURES), by its /proc/cpuinfo flags."""
+    from zlm.model.cells import cpu_ext
+
+    return not CPU_FEATURES[feature] & cpu_ext.cpu_flags()
+
+
+def pytest_collection_modifyitems(items) -> None:
+    for item in items:
+        for mark in item.iter_markers("cpu_feature"):
+            if len(mark.args) != 1 or mark.args[0] not in CPU_FEATURES:
+                raise pytest.UsageError(f"{item.nodeid}: cpu_feature takes one of {sorted(CPU_FEATURES)}, "
+                                        f"got {mark.args}")
+
+
+def _may_skip(item) -> bool:
+    """A skip the CI rule allows: a gpu test, or a cpu_feature test on a CPU without it."""
+    if item.get_closest_marker("gpu") is not None:
+        return True
+    return any(cpu_lacks(m.args[0]) for m in item.iter_markers("cpu_feature"))
 
 def _skip_reason(report) -> str:
     if hasattr(report, "wasxfail"):
@@ -157,14 +183,15 @@ def _fail_instead(report, what: str) -> None:
         what = what.replace("skipped", "xfailed")
         del report.wasxfail
     report.outcome = "failed"
-    report.longrepr = f"{what} under CI=true (only tests marked gpu may skip there): {reason}"
+    report.longrepr = (f"{what} under CI=true (only tests marked gpu, or cpu_feature on a CPU without it, "
+                       f"may skip there): {reason}")
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
-    if report.skipped and in_ci() and item.get_closest_marker("gpu") is None:
+    if report.skipped and in_ci() and not _may_skip(item):
         _fail_instead(report, "skipped")
 
 
@@ -184,7 +211,8 @@ def pytest_configure(config) -> None:
 
 def pytest_report_header(config) -> str:
     found = "found" if TINY_SHAKESPEARE.exists() else "MISSING (tests that read it fail)"
-    ci = "; CI=true: a skip fails unless the test is marked gpu" if in_ci() else ""
+    ci = "; CI=true: a skip fails unless the test is marked gpu (or cpu_feature, on a CPU without it)" \
+        if in_ci() else ""
     return f"zlm test corpora: {CORPORA} {found}{ci}"
 
 

@@ -1,5 +1,6 @@
 """The CI rules of tests/conftest.py: under CI=true every way a test can skip fails unless the
-test is marked gpu; without CI they skip as usual; CI refuses to run without pytest-timeout.
+test is marked gpu, or cpu_feature on a CPU whose flags lack it; without CI they skip as usual;
+a cpu_feature other than bf16 or amx is refused; CI refuses to run without pytest-timeout.
 Run in a child pytest on a folder holding a copy of the conftest and tests that skip."""
 
 from __future__ import annotations
@@ -43,6 +44,18 @@ def test_xfail():
 def test_gpu_only():
     pytest.skip("no CUDA device")
 
+@pytest.mark.cpu_feature("amx")
+def test_amx_on_a_cpu_without_it():
+    from zlm.model.cells import cpu_ext
+    cpu_ext.cpu_flags = lambda: {"avx2", "fma", "avx512_bf16"}  # what the rule reads: /proc/cpuinfo's flags
+    pytest.skip("this CPU has no AMX")
+
+@pytest.mark.cpu_feature("bf16")
+def test_bf16_on_a_cpu_with_it():
+    from zlm.model.cells import cpu_ext
+    cpu_ext.cpu_flags = lambda: {"avx2", "fma", "avx512_bf16"}
+    pytest.skip("this CPU has no native bf16 (it has)")
+
 @pytest.mark.timeout(1)
 def test_hang():
     import time
@@ -60,7 +73,7 @@ def test_never_collected():
     pass
 '''
 
-INI = "[pytest]\nmarkers =\n    gpu: needs CUDA\n"
+INI = "[pytest]\nmarkers =\n    gpu: needs CUDA\n    cpu_feature(name): needs a CPU instruction set\n"
 
 
 def _run(folder: pathlib.Path, ci: bool, args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
@@ -99,8 +112,10 @@ def test_under_ci_every_skip_fails_unless_marked_gpu(folder):
     assert p.returncode == 1, p.stdout + p.stderr
     assert got == {"test_skip_call": "FAILED", "test_skipif": "ERROR", "test_skip_in_fixture": "ERROR",
                    "test_importorskip": "FAILED", "test_xfail": "FAILED", "test_hang": "FAILED",
-                   "test_passes": "PASSED", "skipped: no CUDA device": "SKIPPED"}, p.stdout
-    assert "skipped under CI=true (only tests marked gpu may skip there)" in p.stdout
+                   "test_passes": "PASSED", "skipped: no CUDA device": "SKIPPED",
+                   "skipped: this CPU has no AMX": "SKIPPED", "test_bf16_on_a_cpu_with_it": "FAILED"}, p.stdout
+    assert "skipped under CI=true (only tests marked gpu, or cpu_feature on a CPU without it, may skip there)" \
+        in p.stdout
     assert "xfailed under CI=true" in p.stdout and "Timeout" in p.stdout
 
 
@@ -109,7 +124,7 @@ def test_without_ci_they_skip(folder):
     got = _outcomes(p.stdout)
     assert p.returncode == 0, p.stdout + p.stderr
     assert got.get("test_passes") == "PASSED" and got.get("test_xfail") == "XFAIL"
-    assert sum(v == "SKIPPED" for v in got.values()) == 5, got
+    assert sum(v == "SKIPPED" for v in got.values()) == 7, got
 
 
 def test_under_ci_a_module_level_skip_fails_collection(folder):
@@ -124,3 +139,11 @@ def test_under_ci_pytest_timeout_is_required(folder):
     p = _run(folder, ci=True, args=("-p", "no:timeout"))
     assert p.returncode != 0
     assert "CI=true needs pytest-timeout" in p.stderr + p.stdout
+
+
+def test_an_unknown_cpu_feature_is_refused(folder):
+    (folder / "test_skipping.py").write_text(
+        "import pytest\n\n@pytest.mark.cpu_feature('avx9')\ndef test_it():\n    pass\n")
+    p = _run(folder, ci=False)
+    assert p.returncode != 0
+    assert "cpu_feature takes one of ['amx', 'bf16'], got ('avx9',)" in p.stdout + p.stderr

@@ -85,6 +85,7 @@ def test_gradcheck_float64(cell, masks):
     assert torch.autograd.gradcheck(lambda *a: cell(*a, *keeps), args)
 
 
+@pytest.mark.cpu_feature("bf16")
 @pytest.mark.parametrize("masks", ["train", "eval", "off"])
 @pytest.mark.parametrize("onednn", [True, False])
 def test_bf16_autocast_within_2e2_of_fp32_reference(cell, masks, onednn, monkeypatch):
@@ -169,6 +170,7 @@ def test_chooser_picks_the_compiled_step(cell):
     assert choice.fn is choose_cell("fused", "cpu").fn  # one function object per module
 
 
+@pytest.mark.cpu_feature("bf16")
 @pytest.mark.parametrize("masks", ["train", "eval"])
 @pytest.mark.parametrize("grad", [True, False])
 @pytest.mark.parametrize("bf16", [False, True])
@@ -207,6 +209,7 @@ def test_time_loop_in_cpp_equals_the_python_loop(masks, grad, bf16):
             assert torch.equal(a, b), name
 
 
+@pytest.mark.cpu_feature("bf16")
 @pytest.mark.parametrize("bf16", [False, True])
 def test_window_large_enough_for_the_packed_input_projection(cell, bf16, monkeypatch):
     """T*B >= 2048 rows: the input projection runs as one packed oneDNN product (smaller
@@ -294,6 +297,7 @@ def test_the_windows_take_the_chosen_recurrent_product(recurrent, monkeypatch):
     assert compiled.recurrent_backend(ext) == other
 
 
+@pytest.mark.cpu_feature("bf16")
 @pytest.mark.parametrize("hidden", [16, 64, 10, 24, 1000, 7, 1040])
 def test_bf16_windows_take_amx_up_to_its_size(recurrent, hidden, monkeypatch):
     """bf16 windows run AMX's micro-kernel where the CPU has it, for an even H up to
@@ -320,6 +324,7 @@ def test_bf16_windows_take_amx_up_to_its_size(recurrent, hidden, monkeypatch):
         assert rel < BF16_REL, f"{name}: {rel:.3g}"
 
 
+@pytest.mark.cpu_feature("amx")
 def test_amx_product_matches_torch():
     """AMX's product (amx_gemm.cpp): a (M, K) bf16 x B (K, N) bf16 -> fp32, against the same
     product in fp32 (1e-5 relative: both sum exact bf16 products in fp32), for batch sizes

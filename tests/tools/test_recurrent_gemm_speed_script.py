@@ -14,7 +14,7 @@ from zlm.model.cells import cpu_ext
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "recurrent-gemm-speed"
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16", marks=pytest.mark.cpu_feature("amx"))])
 def test_recurrent_gemm_speed_prints_both_tables(precision):
     ext = cpu_ext.load_extension()
     if ext is None or not (ext.mkl_packed_ready() if precision == "fp32" else ext.amx_ready()):
