@@ -68,6 +68,31 @@ def test_plain_runs_torchs_kernel_in_training_mode_when_a_backward_follows(monke
     assert seen == [True, False]
 
 
+@pytest.mark.parametrize("native", [pytest.param(True, marks=pytest.mark.cpu_feature("bf16")), False])
+def test_plain_under_bf16_autocast_computes_in_fp32_where_onednn_has_no_bf16(native, monkeypatch):
+    """On a CPU without native bf16 oneDNN builds no bf16 LSTM (torch.lstm under bf16 autocast
+    raises there): the plain cell leaves autocast for its layer and returns what fp32 gives,
+    forward and gradients. Where oneDNN has bf16 the layer runs under autocast (bf16 out)."""
+    from zlm.model.cells import packed_gemm
+
+    if native and not packed_gemm.ONEDNN_BF16:
+        pytest.skip("this CPU has no native bf16: oneDNN has no bf16 LSTM here")
+    monkeypatch.setattr(packed_gemm, "ONEDNN_BF16", native)
+    a, b = _inputs(torch.float32), _inputs(torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = lstm_plain(*a, 0.0, 0.0)
+    if native:
+        assert got[0].dtype == torch.bfloat16
+        return
+    want = lstm_plain(*b, 0.0, 0.0)
+    assert all(u.dtype == torch.float32 for u in got)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    sum(o.sum() for o in got).backward()
+    sum(o.sum() for o in want).backward()
+    for u, v in zip(a, b, strict=True):
+        torch.testing.assert_close(u.grad, v.grad, rtol=0, atol=0)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

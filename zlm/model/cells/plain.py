@@ -5,14 +5,18 @@ the vendor kernel is the fastest way to run one: oneDNN on a CPU, cuDNN on CUDA,
 autocast as the user's precision asks. Same signature, same parameters and the same
 checkpoint as every zlm cell; torch.nn.LSTM's two biases are zlm's one bias split as
 b_ih = bias, b_hh = 0 (their sum is what the gates see). Gate order i, f, g, o is
-torch's own, which is why zlm's layout matches nn.LSTM's.
+torch's own, which is why zlm's layout matches nn.LSTM's. On a CPU without native bf16,
+where oneDNN has no bf16 LSTM, a bf16 run's layer computes in fp32.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor
 
+from zlm.model.cells import packed_gemm
 from zlm.model.cells.masks import Keep
 
 
@@ -31,6 +35,15 @@ def lstm_plain(x: Tensor, h0: Tensor, c0: Tensor, weight_ih: Tensor, weight_hh: 
     # train: cuDNN keeps what its backward needs only in training mode (and refuses a
     # backward otherwise); with no dropout the forward is the same either way.
     train = torch.is_grad_enabled() and any(t.requires_grad for t in (x, h0, c0, weight_ih, weight_hh, bias))
-    y, h, c = torch.lstm(x, (h0[None], c0[None]), [weight_ih, weight_hh, bias, no_bias],
-                         True, 1, 0.0, train, False, False)  # biases, layers, dropout, train, bidir, batch_first
+    with torch.autocast("cpu", enabled=False) if _no_bf16_lstm(x) else contextlib.nullcontext():
+        y, h, c = torch.lstm(x, (h0[None], c0[None]), [weight_ih, weight_hh, bias, no_bias],
+                             True, 1, 0.0, train, False, False)  # biases, layers, dropout, train, bidir, batch_first
     return y, h[0], c[0]
+
+
+def _no_bf16_lstm(x: Tensor) -> bool:
+    """Whether bf16 autocast is on for a CPU tensor where oneDNN has no bf16 LSTM (a CPU
+    without native bf16, where torch's LSTM under bf16 autocast fails to build its
+    primitive): the layer then runs in fp32, the rest of the model under autocast as asked."""
+    return (x.device.type == "cpu" and torch.is_autocast_enabled("cpu")
+            and torch.get_autocast_dtype("cpu") == torch.bfloat16 and not packed_gemm.ONEDNN_BF16)
