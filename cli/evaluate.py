@@ -27,7 +27,7 @@ def command(
         help="A RUN_DIR (its best/, else its latest complete checkpoint) or a checkpoint "
              "directory.", metavar="RUN_OR_CHECKPOINT", show_default=False)],
     split: Annotated[str | None, typer.Option(
-        help="valid | test: a split of the DATA_DIR the model was trained on "
+        help="valid | test | train: a split of the DATA_DIR the model was trained on "
              "\\[default: valid].", show_default=False)] = None,
     file: Annotated[Path | None, typer.Option(
         "--file", help="Score this UTF-8 text file instead of a split.",
