@@ -278,7 +278,7 @@ def test_an_adapt_file_names_the_cells_recurrent_product(lms, monkeypatch):
     ext = cpu_ext.load_extension()
     if ext is None or not ext.mkl_packed_ready():
         pytest.skip("no MKL packed GEMM here")
-    monkeypatch.setattr(compiled, "_on_intel", lambda: True)
+    monkeypatch.setattr(compiled, "on_intel", lambda: True)
     lm, data = lms["char"], shakespeare_text(1200).encode()
     blob, _ = compress_bytes(lm, data, ADAPT)
     assert Header.unpack(blob, "f")[0].kernel == compress.kernel_id("fp32", "cpp", True)
@@ -288,6 +288,40 @@ def test_an_adapt_file_names_the_cells_recurrent_product(lms, monkeypatch):
     with pytest.raises(CompressedFileError, match="another kernel path"):
         decompress_bytes(lm, blob, "f")
     assert compress.kernel_id("fp32", "cpp", True) == compress.kernel_id("fp32", "cpp")
+    onednn, _ = compress_bytes(lm, data, ADAPT)
+    assert decompress_bytes(lm, onednn, "f")[0] == data
+
+
+def test_an_adapt_file_names_the_vendor_where_mkl_runs_on_another_cpu(lms, monkeypatch):
+    """On a CPU not made by Intel, MKL's product runs only up to MKL_ELSEWHERE_MAX_HIDDEN
+    units: a small model's --adapt file names MKL and the vendor (MKL picks its code by CPU,
+    so an Intel-coded file is refused there, and the other way round), a larger model's
+    names neither and decodes where oneDNN's product runs."""
+    import zlm.inference.compress as compress
+    from zlm.model.cells import compiled, cpu_ext
+
+    ext = cpu_ext.load_extension()
+    if ext is None or not ext.mkl_packed_ready():
+        pytest.skip("no MKL packed GEMM here")
+    lm, data = lms["char"], shakespeare_text(1200).encode()
+    hidden = lm.model_config.hidden
+    assert hidden <= compiled.MKL_ELSEWHERE_MAX_HIDDEN
+    monkeypatch.setattr(compiled, "on_intel", lambda: True)
+    intel, _ = compress_bytes(lm, data, ADAPT)
+    monkeypatch.setattr(compiled, "on_intel", lambda: False)
+    monkeypatch.setattr(compress, "cpu_vendor", lambda: "AuthenticAMD")
+    assert compress.kernel_path("cpp", True, hidden) == compress.kernel_path("cpp") + " cell-mkl-AuthenticAMD"
+    with pytest.raises(CompressedFileError, match="another kernel path"):
+        decompress_bytes(lm, intel, "f")
+    amd, _ = compress_bytes(lm, data, ADAPT)
+    assert Header.unpack(amd, "f")[0].kernel == compress.kernel_id("fp32", "cpp", True, hidden)
+    assert decompress_bytes(lm, amd, "f")[0] == data
+    monkeypatch.setattr(compiled, "on_intel", lambda: True)
+    with pytest.raises(CompressedFileError, match="another kernel path"):
+        decompress_bytes(lm, amd, "f")
+    monkeypatch.setattr(compiled, "on_intel", lambda: False)
+    monkeypatch.setattr(compiled, "MKL_ELSEWHERE_MAX_HIDDEN", hidden - 1)  # this model is past it: oneDNN
+    assert compress.kernel_path("cpp", True, hidden) == compress.kernel_path("cpp")
     onednn, _ = compress_bytes(lm, data, ADAPT)
     assert decompress_bytes(lm, onednn, "f")[0] == data
 

@@ -52,7 +52,7 @@ def recurrent(request, monkeypatch):
         pytest.skip("neither MKL's packed GEMM nor AMX here")
     monkeypatch.setattr(compiled, "USE_MKL", request.param == "mkl+amx")
     monkeypatch.setattr(compiled, "USE_AMX", request.param == "mkl+amx")
-    monkeypatch.setattr(compiled, "_on_intel", lambda: True)  # MKL's path runs on any x86 here
+    monkeypatch.setattr(compiled, "on_intel", lambda: True)  # MKL's path runs on any x86 here
     return request.param
 
 
@@ -293,8 +293,14 @@ def test_the_windows_take_the_chosen_recurrent_product(recurrent, monkeypatch):
         assert torch.equal(other_t, before)
     with pytest.raises(RuntimeError, match="fp32"):
         ext.mkl_pack(torch.ones(3, 4, dtype=torch.float64), 2)
-    monkeypatch.setattr(compiled, "_on_intel", lambda: False)  # unmeasured there: oneDNN
-    assert compiled.recurrent_backend(ext) == other
+    monkeypatch.setattr(compiled, "on_intel", lambda: False)  # another vendor: MKL for small models only
+    assert compiled.recurrent_backend(ext) == other  # the size not known
+    assert compiled.recurrent_backend(ext, hidden=compiled.MKL_ELSEWHERE_MAX_HIDDEN) == "mkl"
+    assert compiled.recurrent_backend(ext, hidden=compiled.MKL_ELSEWHERE_MAX_HIDDEN + 1) == other
+    backends.clear()
+    monkeypatch.setattr(compiled, "MKL_ELSEWHERE_MAX_HIDDEN", 15)  # the H 16 windows above are past it
+    cell_outputs(make_compiled_cell(ext), args, keeps)
+    assert backends == [other, other]
 
 
 @pytest.mark.cpu_feature("bf16")

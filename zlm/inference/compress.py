@@ -69,8 +69,8 @@ from zlm.inference.modelcoder import (
     run_coder,
 )
 from zlm.inference.symbols import Alphabet
-from zlm.model.cells.compiled import recurrent_backend
-from zlm.model.cells.cpu_ext import load_extension
+from zlm.model.cells import compiled
+from zlm.model.cells.cpu_ext import cpu_vendor, load_extension
 
 MAGIC = b"ZLMZ"
 VERSION = 2
@@ -106,13 +106,14 @@ def coder_kernel(adapt) -> str:
     return "decode" if adapt is None and ext is not None and hasattr(ext, "Decoder") else "cpp"
 
 
-def kernel_path(kernel: str = "cpp", adapt: bool = False) -> str:
+def kernel_path(kernel: str = "cpp", adapt: bool = False, hidden: int = 0) -> str:
     """What the decoder's arithmetic must match to reproduce every distribution: zlm's
     step kernel (the Decoder's product, or the "cpp" step and its thread count) and
     frequency tables, torch's and numpy's builds (numpy computes every softmax, log and
     exp of the mixing) and the CPU's instruction set as torch dispatches it. With --adapt
-    the dynamic-evaluation steps run the model's cell over windows too: where its fp32
-    recurrent product is MKL's packed GEMM, the path says so (" cell-mkl"; oneDNN's, the
+    the dynamic-evaluation steps run the model's cell (`hidden` units) over windows too:
+    where its fp32 recurrent product is MKL's packed GEMM, the path says so (" cell-mkl",
+    and the vendor where the CPU is not Intel's, as MKL picks its code by CPU; oneDNN's, the
     product files were coded with before, adds nothing, so those files still decode)."""
     ext = load_extension()
     if ext is None:
@@ -122,13 +123,15 @@ def kernel_path(kernel: str = "cpp", adapt: bool = False) -> str:
         step = "stepper-decode-" + ("avx512" if product.startswith("avx512") else product)
     else:
         step = "stepper-cpp/t" + str(THREADS)
-    cell = " cell-mkl" if adapt and ext is not None and recurrent_backend(ext) == "mkl" else ""
+    cell = ""
+    if adapt and ext is not None and compiled.recurrent_backend(ext, hidden=hidden) == "mkl":
+        cell = " cell-mkl" if compiled.on_intel() else f" cell-mkl-{cpu_vendor() or 'unknown'}"
     return (f"{step}/p{PROB_BITS} torch {torch.__version__} numpy "
             f"{np.__version__} {torch.backends.cpu.get_cpu_capability()}{cell}")
 
 
-def kernel_id(precision: str, kernel: str = "cpp", adapt: bool = False) -> bytes:
-    return hashlib.sha256(f"{precision} {kernel_path(kernel, adapt)}".encode()).digest()[:4]
+def kernel_id(precision: str, kernel: str = "cpp", adapt: bool = False, hidden: int = 0) -> bytes:
+    return hashlib.sha256(f"{precision} {kernel_path(kernel, adapt, hidden)}".encode()).digest()[:4]
 
 
 def _varint(n: int) -> bytes:
@@ -318,7 +321,8 @@ def compress_bytes(lm: LoadedModel, data: bytes, adapt: DynamicConfig | None = N
     costs = side.costs(len(blocks))
     coded = np.array([math.ceil(c / 8) + len(_varint(_zigzag(z - a - len(e)))) < z - a
                       for c, e, (_, a, z) in zip(costs, ext, blocks, strict=True)], dtype=bool)
-    ids = model_id(lm)[:8], kernel_id(lm.runtime.precision, kernel, adapt is not None), zlib.crc32(data)
+    ids = model_id(lm)[:8], kernel_id(lm.runtime.precision, kernel, adapt is not None, lm.model_config.hidden), \
+        zlib.crc32(data)
 
     def container(coded: np.ndarray) -> tuple[bytes, bytes]:
         """(header, stored blocks + range coder bytes)."""
@@ -353,13 +357,14 @@ def decompress_bytes(lm: LoadedModel, blob: bytes, name: str = "input",
             f"one is {mine[:8].hex()}); pass the RUN it was compressed with")
     prec = lm.runtime.precision
     adapt = header.adapt is not None
+    hidden = lm.model_config.hidden
     kernel = next((k for k in dict.fromkeys((coder_kernel(header.adapt), "cpp"))
-                   if header.kernel == kernel_id(prec, k, adapt)), None)  # "cpp": files coded before "decode"
+                   if header.kernel == kernel_id(prec, k, adapt, hidden)), None)  # "cpp": files coded before "decode"
     if kernel is None:
         mine = coder_kernel(header.adapt)
         raise CompressedFileError(
-            f"{name} was compressed with another kernel path (id {header.kernel.hex()}; this "
-            f"is {kernel_id(prec, mine, adapt).hex()}: '{prec} {kernel_path(mine, adapt)}'); decompress with "
+            f"{name} was compressed with another kernel path (id {header.kernel.hex()}; this is "
+            f"{kernel_id(prec, mine, adapt, hidden).hex()}: '{prec} {kernel_path(mine, adapt, hidden)}'); decompress with "
             "the same zlm/torch build on the same kind of CPU")
     alphabet = Alphabet(lm.tokenizer)
     blocks = Layout(header.length, header.streams).blocks()

@@ -152,6 +152,7 @@ def _input_projection(xs: Tensor, w_ih: Tensor, bias: Tensor, out: Tensor, backe
 
 
 USE_MKL = True  # fp32 windows take MKL's packed GEMM where torch has it (False: oneDNN; the tests run both)
+MKL_ELSEWHERE_MAX_HIDDEN = 192  # above, oneDNN's product was faster on a CPU not made by Intel (docs/kernels.md)
 
 
 USE_AMX = True  # bf16 windows up to AMX_MAX_HIDDEN take AMX's micro-kernel where the CPU has it (False: oneDNN)
@@ -161,11 +162,12 @@ AMX_MAX_HIDDEN = 1024  # above, the whole training step was slower (docs/kernels
 def recurrent_backend(ext, dtype: torch.dtype = torch.float32, hidden: int = 0) -> str:
     """The backend of a window's recurrent products, else `backend_for`'s.
 
-    fp32: "mkl" on an Intel CPU where the extension finds MKL's packed GEMM in torch and
-    oneDNN would run otherwise (on an Intel Xeon the whole window ran 1.05-1.5x faster:
-    docs/kernels.md). Other vendors' CPUs keep oneDNN: MKL is unmeasured there, and its
-    unpacked product was 1.5-1.7x slower than oneDNN's packed one on an AMD EPYC, against
-    1.2x on the Xeon.
+    fp32: "mkl" where the extension finds MKL's packed GEMM in torch and oneDNN would run
+    otherwise, on an Intel CPU at every size (on an Intel Xeon the whole window ran
+    1.05-1.5x faster: docs/kernels.md) and on other vendors' CPUs up to
+    MKL_ELSEWHERE_MAX_HIDDEN units, where oneDNN's fixed cost per call outweighs a small
+    product (on an AMD EPYC with AVX2 the whole training step took 0.74-0.95 of oneDNN's time
+    at H 64-192, 1.02 at 256 and 1.06-1.20 at 384-512). `hidden` 0 (not known) keeps oneDNN there.
     bf16: "amx" (oneDNN's micro-kernel, amx_gemm.cpp) where the CPU has AMX and `hidden`
     is even and at most AMX_MAX_HIDDEN: a small product's time is mostly the packed linear's
     fixed cost per call (on a Xeon: a product 3.3x faster at H 128, about 1.2x at H 1024;
@@ -175,7 +177,7 @@ def recurrent_backend(ext, dtype: torch.dtype = torch.float32, hidden: int = 0) 
     if backend != "onednn":
         return backend
     if dtype == torch.float32 and USE_MKL and hasattr(ext, "mkl_packed_ready") and ext.mkl_packed_ready() \
-            and _on_intel():
+            and (on_intel() or 0 < hidden <= MKL_ELSEWHERE_MAX_HIDDEN):
         return "mkl"
     if dtype == BF16 and USE_AMX and 0 < hidden <= AMX_MAX_HIDDEN and hidden % 2 == 0 \
             and hasattr(ext, "amx_ready") and ext.amx_ready():
@@ -184,7 +186,7 @@ def recurrent_backend(ext, dtype: torch.dtype = torch.float32, hidden: int = 0) 
 
 
 @functools.cache
-def _on_intel() -> bool:
+def on_intel() -> bool:
     """Whether this is an Intel CPU (read once: every window asks)."""
     return cpu_vendor() == "GenuineIntel"
 
@@ -220,7 +222,7 @@ def _forward(ext, x, h0, c0, w_ih, w_hh, bias, keep_c: Keep, keep_h: Keep, lp: b
         ws.xp_lp = _input_projection(xs.to(BF16), w_ih, bias, ws.xp_lp, projection, save, lp)
         ws.h_lp[0].copy_(h0)
     else:
-        backend = recurrent_backend(ext) if x.dtype == torch.float32 else None
+        backend = recurrent_backend(ext, hidden=H) if x.dtype == torch.float32 else None
         gemm = recurrent_gemm((w_hh,), B, "c", _same, cache=not save, backend=backend, ext=ext)  # h W_hh^T
         projection = "onednn" if gemm.backend == "mkl" else gemm.backend  # one large product: oneDNN's
         ws.gates = gates = _input_projection(xs, w_ih, bias, gates, projection, save, lp)
@@ -260,7 +262,7 @@ def _backward(ext, ws, w_hh, y_all, keep_c, keep_h, dy, dh_T, dc_T, lp: bool):
             build = _bf16_transpose if ws.w16t is None else _given(ws.w16t)
         gemm = recurrent_gemm((w_hh,), B, "T16", build, backend=backend, ext=ext)
     else:
-        backend = recurrent_backend(ext) if w_hh.dtype == torch.float32 else None
+        backend = recurrent_backend(ext, hidden=w_hh.shape[1]) if w_hh.dtype == torch.float32 else None
         gemm = recurrent_gemm((w_hh,), B, "T", _transpose, backend=backend, ext=ext)
     ws.transposed, ws.db = False, None
     if _in_cpp(ext, gemm, "backward_window"):
