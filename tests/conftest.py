@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from zlm.core.graphs import CapturedStep
+from zlm.core.precision import cpu_bf16_native
 from zlm.data.tokenizers import CharTokenizer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -144,14 +145,14 @@ def tiny_data(tmp_path) -> pathlib.Path:
 # What no install can add is the CPU's instruction set: a test marked
 # cpu_feature("bf16") or cpu_feature("amx") may skip under CI where /proc/cpuinfo shows
 # this CPU really lacks it (native bf16: AVX512-BF16 or AMX; AMX's bf16 tiles).
-CPU_FEATURES = {"bf16": {"avx512_bf16", "amx_bf16"}, "amx": {"amx_bf16"}}  # any one of the flags
+CPU_FEATURES = {"bf16": cpu_bf16_native, "amx": lambda flags: "amx_bf16" in flags}  # name -> has it, by flags
 
 
 def cpu_lacks(feature: str) -> bool:
     """Whether this CPU lacks `feature` (a key of CPU_FEATURES), by its /proc/cpuinfo flags."""
     from zlm.model.cells import cpu_ext
 
-    return not CPU_FEATURES[feature] & cpu_ext.cpu_flags()
+    return not CPU_FEATURES[feature](cpu_ext.cpu_flags())
 
 
 def pytest_collection_modifyitems(items) -> None:
@@ -167,6 +168,7 @@ def _may_skip(item) -> bool:
     if item.get_closest_marker("gpu") is not None:
         return True
     return any(cpu_lacks(m.args[0]) for m in item.iter_markers("cpu_feature"))
+
 
 def _skip_reason(report) -> str:
     if hasattr(report, "wasxfail"):

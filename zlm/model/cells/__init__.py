@@ -64,12 +64,16 @@ def _fused_for(device: torch.device, on_event: Callable[[str], None] | None = No
         return zoneout_lstm_fused, f"fused CPU cell in Python (as this run was started; per-step GEMM: {gemm})", "python"
     compiled, why = _compiled_cpu_cell(on_event)
     if compiled is not None:
-        from zlm.model.cells.compiled import AMX_MAX_HIDDEN, MKL_ELSEWHERE_MAX_HIDDEN, recurrent_backend
+        from zlm.model.cells.compiled import (
+            AMX_MAX_HIDDEN,
+            MKL_ELSEWHERE_MAX_HIDDEN,
+            on_intel,
+            recurrent_backend,
+        )
 
         ext = _compiled["ext"]
-        if recurrent_backend(ext, hidden=1) == "mkl":  # at every size, or (another vendor's CPU) small ones
-            sizes = "" if recurrent_backend(ext, hidden=1 << 30) == "mkl" else \
-                f" up to H {MKL_ELSEWHERE_MAX_HIDDEN} (oneDNN packed weights above)"
+        if recurrent_backend(ext, hidden=1) == "mkl":  # at every size on Intel's CPUs, else small ones
+            sizes = "" if on_intel() else f" up to H {MKL_ELSEWHERE_MAX_HIDDEN} (oneDNN packed weights above)"
             gemm = f"MKL packed GEMM for fp32{sizes}" + (", oneDNN packed weights for bf16" if ONEDNN_BF16 else "")
         if recurrent_backend(ext, torch.bfloat16, AMX_MAX_HIDDEN) == "amx":
             gemm += f" (AMX micro-kernel up to H {AMX_MAX_HIDDEN})"
