@@ -43,16 +43,20 @@ def _fresh_caches():
     yield
 
 
-@pytest.fixture(autouse=True, params=["mkl+amx", "onednn"])
+@pytest.fixture(autouse=True, params=["mkl+amx", "onednn", "mkl+amx, views", "onednn, views"])
 def recurrent(request, monkeypatch):
     """The windows' recurrent product: MKL's packed GEMM (fp32) and AMX's micro-kernel (bf16),
-    where they exist, or oneDNN's packed linear for both."""
+    where they exist, or oneDNN's packed linear for both; and the fp32 weight gradients from
+    the C++ backward's transposed copies (`transposed_grads`, the AVX-512 path) or, ", views",
+    torch.mm on the window's buffers (the AVX2 path), whichever this CPU would take."""
     ext = cpu_ext.load_extension()
-    if request.param == "mkl+amx" and (ext is None or not (ext.mkl_packed_ready() or ext.amx_ready())):
+    product = request.param.split(",")[0]
+    if product == "mkl+amx" and (ext is None or not (ext.mkl_packed_ready() or ext.amx_ready())):
         pytest.skip("neither MKL's packed GEMM nor AMX here")
-    monkeypatch.setattr(compiled, "USE_MKL", request.param == "mkl+amx")
-    monkeypatch.setattr(compiled, "USE_AMX", request.param == "mkl+amx")
+    monkeypatch.setattr(compiled, "USE_MKL", product == "mkl+amx")
+    monkeypatch.setattr(compiled, "USE_AMX", product == "mkl+amx")
     monkeypatch.setattr(compiled, "on_intel", lambda: True)  # MKL's path runs on any x86 here
+    monkeypatch.setattr(compiled, "TRANSPOSED_GRADS", not request.param.endswith("views"))
     return request.param
 
 
@@ -177,10 +181,10 @@ def test_chooser_picks_the_compiled_step(cell):
 def test_time_loop_in_cpp_equals_the_python_loop(masks, grad, bf16):
     """forward_window and backward_window (the time loops in C++, fp32 or bf16 multiplies)
     run the same products (MKL's, AMX's or oneDNN's) and the same element-wise steps as the Python loops:
-    identical outputs and state gradients. In fp32 the C++ loop also writes dpre and h_prev
-    transposed for oneDNN weight-gradient products (the Python loop uses torch.mm): dx and
-    the weight gradients agree to 1e-5 there; db, summed step by step in C++ (the Python
-    loop: one torch.sum), agrees to 1e-5 in both precisions."""
+    identical outputs and state gradients. In fp32 the C++ loop may also write dpre and h_prev
+    transposed for oneDNN weight-gradient products (`transposed_grads`; the Python loop uses
+    torch.mm): dx and the weight gradients agree to 1e-5 there; db, summed step by step in
+    C++ where it is (the Python loop: one torch.sum), agrees to 1e-5 in both precisions."""
     import contextlib
     import types
 
@@ -256,6 +260,24 @@ def test_bf16_pair_rounds_as_torch_and_transposes():
         assert torch.equal(out_t.view(torch.int16), out.t().contiguous().view(torch.int16))
 
 
+def test_the_weight_gradients_take_the_chosen_path(recurrent):
+    """fp32: with `transposed_grads` the C++ backward fills the transposed copies and sums db
+    step by step; without, the workspace never allocates them and db is one sum of dpre."""
+    ext = cpu_ext.load_extension()
+    if ext is None or not hasattr(ext, "backward_window") or compiled.recurrent_backend(ext) == "addmm":
+        pytest.skip("no compiled time loop here")
+    from zlm.model.cells.workspace import take_workspace
+
+    args, keeps = cell_inputs(5, 4, 6, 16, torch.float32, "train")
+    cell_outputs(make_compiled_cell(ext), args, keeps)
+    ws = take_workspace(compiled.StepWorkspace, 5, 4, 16, torch.float32, torch.device("cpu"))
+    if compiled.transposed_grads():
+        assert ws.transposed and ws.dgates_t is not None and ws.h_t is not None and ws.db is not None
+        assert torch.equal(ws.dgates_t, ws.dgates.view(5 * 4, -1).t())
+    else:
+        assert not ws.transposed and ws.dgates_t is None and ws.h_t is None and ws.db is None
+
+
 def test_the_windows_take_the_chosen_recurrent_product(recurrent, monkeypatch):
     """fp32 windows run the backend `recurrent_backend` names (MKL's packed GEMM on an Intel
     CPU whose torch has it, else oneDNN's), forward and backward; MKL's product (mkl_gemm.cpp):
@@ -263,7 +285,7 @@ def test_the_windows_take_the_chosen_recurrent_product(recurrent, monkeypatch):
     through RecurrentGemm."""
     ext = cpu_ext.load_extension()
     other = "onednn" if packed_gemm.ONEDNN else "addmm"
-    want = "mkl" if recurrent == "mkl+amx" and ext.mkl_packed_ready() else other
+    want = "mkl" if recurrent.startswith("mkl+amx") and ext.mkl_packed_ready() else other
     assert compiled.recurrent_backend(ext) == want
     backends = []
     real = compiled.recurrent_gemm
@@ -314,7 +336,7 @@ def test_bf16_windows_take_amx_up_to_its_size(recurrent, hidden, monkeypatch):
     if not packed_gemm.ONEDNN_BF16:
         pytest.skip("this CPU has no native bf16: the bf16 loop stays in Python")
     assert compiled.AMX_MAX_HIDDEN < 1040
-    amx = recurrent == "mkl+amx" and ext.amx_ready() and hidden % 2 == 0 and hidden <= compiled.AMX_MAX_HIDDEN
+    amx = recurrent.startswith("mkl+amx") and ext.amx_ready() and hidden % 2 == 0 and hidden <= compiled.AMX_MAX_HIDDEN
     want = "amx" if amx else "onednn"
     assert compiled.recurrent_backend(ext, torch.bfloat16, hidden) == want
     backends = []

@@ -41,7 +41,7 @@ import functools
 import torch
 from torch import Tensor
 
-from zlm.model.cells.cpu_ext import cpu_vendor
+from zlm.model.cells.cpu_ext import cpu_vendor, instruction_set
 from zlm.model.cells.masks import Keep
 from zlm.model.cells.packed_gemm import backend_for, mm_nt, recurrent_gemm
 from zlm.model.cells.workspace import take_workspace
@@ -58,10 +58,11 @@ class StepWorkspace:
     h_lp: (T+1, B, H) bf16 copies of h_prev (h0, y_0 .. y_{T-1}) for bf16 multiplies.
     dgates: (T, B, 4H) gradient of the pre-activations, in the compute dtype.
     carry, dc: (B, H) gradients carried through time; pre: (B, 4H) scratch (fp32 addmm path).
-    dgates_t: (4H, T*B), h_t: (H, T*B) fp32 with oneDNN: dgates and h_prev transposed by
-    the C++ backward, step by step, for the weight-gradient products (`transposed` says
-    whether the last backward filled them). db: (4H,) fp32, the bias gradient the C++
-    backward summed step by step (None where the Python loop ran).
+    dgates_t: (4H, T*B), h_t: (H, T*B) fp32, allocated by the first backward that fills them
+    (`transposed_grads`): dgates and h_prev transposed by the C++ backward, step by step,
+    for the weight-gradient products (`transposed` says whether the last backward filled
+    them). db: (4H,) fp32, the bias gradient the C++ backward summed step by step (None
+    where it did not: one sum of dgates then).
     With oneDNN the input projection is a fresh tensor each window (`_input_projection`)
     that replaces gates (fp32) or xp_lp (bf16).
     """
@@ -79,9 +80,7 @@ class StepWorkspace:
         self.pre = torch.empty(B, 4 * H, **kw)
         self.dgates = torch.empty(T, B, 4 * H, dtype=cd, device=device)
         self.carry, self.dc = torch.empty(B, H, **kw), torch.empty(B, H, **kw)
-        fp32_onednn = not self.lp and dtype == torch.float32 and backend_for(dtype, torch.device(device)) == "onednn"
-        self.dgates_t = torch.empty(4 * H, T * B, **kw) if fp32_onednn else None
-        self.h_t = torch.empty(H, T * B, **kw) if fp32_onednn else None
+        self.dgates_t = self.h_t = None
         self.transposed = False
         self.db = None
         self.w16t = None  # bf16 windows with a backward: W_hh^T in bf16 (C++ bf16_pair)
@@ -185,6 +184,25 @@ def recurrent_backend(ext, dtype: torch.dtype = torch.float32, hidden: int = 0) 
     return backend
 
 
+TRANSPOSED_GRADS: bool | None = None  # None: `transposed_grads` decides by the CPU; True/False forces it
+
+
+@functools.cache
+def _avx512() -> bool:
+    return instruction_set() in ("avx512", "avx512bf16")
+
+
+def transposed_grads() -> bool:
+    """Whether the fp32 C++ backward also writes each step's dpre and h_prev transposed
+    (and sums the bias gradient) while they are in cache, so the weight gradients run as
+    oneDNN products on contiguous operands (`mm_nt`): on CPUs with AVX-512, where those
+    products beat torch.mm by 4-9%. On an AVX2-only CPU the strided writes cost more than
+    they save (on an AMD EPYC at B32 H384: a third more time per backward step, and `mm_nt`
+    slower than torch.mm on the views), so the weight gradients are torch.mm on the
+    window's own buffers and db one sum (docs/kernels.md)."""
+    return _avx512() if TRANSPOSED_GRADS is None else TRANSPOSED_GRADS
+
+
 @functools.cache
 def on_intel() -> bool:
     """Whether this is an Intel CPU (read once: every window asks)."""
@@ -248,7 +266,7 @@ def _forward(ext, x, h0, c0, w_ih, w_hh, bias, keep_c: Keep, keep_h: Keep, lp: b
 
 def _backward(ext, ws, w_hh, y_all, keep_c, keep_h, dy, dh_T, dc_T, lp: bool):
     """Backward through time: fills ws.dgates (T, B, 4H) with the gradient of the gate
-    pre-activations (and, where the workspace has them, ws.dgates_t and ws.h_t) and returns
+    pre-activations (and, where `transposed_grads` says so, ws.dgates_t and ws.h_t) and returns
     dh0, dc0 (B, H). y_all (T+1, B, H): h0, y. dy (T, B, H), dh_T, dc_T may be None."""
     T, B, _ = ws.gates.shape
     carry, dc, dgates = ws.carry, ws.dc, ws.dgates
@@ -268,11 +286,16 @@ def _backward(ext, ws, w_hh, y_all, keep_c, keep_h, dy, dh_T, dc_T, lp: bool):
     if _in_cpp(ext, gemm, "backward_window"):
         kc, zc = _keep_args(keep_c, slice(None))
         kh, zh = _keep_args(keep_h, slice(None))
-        ws.transposed = ws.dgates_t is not None
+        ws.transposed = not lp and w_hh.dtype == torch.float32 and transposed_grads()
+        if ws.transposed and ws.dgates_t is None:
+            ws.dgates_t = torch.empty(dgates.shape[-1], T * B, dtype=torch.float32)
+            ws.h_t = torch.empty(w_hh.shape[1], T * B, dtype=torch.float32)
         y = y_all if ws.transposed else None
-        ws.db = torch.empty(dgates.shape[-1], dtype=torch.float32)  # returned as the bias gradient
+        if ws.transposed or lp:
+            ws.db = torch.empty(dgates.shape[-1], dtype=torch.float32)  # returned as the bias gradient
         rec = ext.backward_window(ws.gates, ws.tc, ws.c, kc, zc, kh, zh, dy, carry, dc, dgates, gemm.packed,
-                                  ws.dgates_t, y, ws.h_t if ws.transposed else None, ws.db)
+                                  ws.dgates_t if ws.transposed else None, y, ws.h_t if ws.transposed else None,
+                                  ws.db)
         return carry + rec, dc.clone()
     rec = None
     for t in range(T - 1, -1, -1):
