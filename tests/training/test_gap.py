@@ -1,5 +1,6 @@
-"""The generalisation gap: at each validation the trainer also scores a fixed slice of the
-train split in eval mode; valid minus that is shown live, logged, and read by info/compare."""
+"""The generalisation gap: at each validation the trainer also scores a fixed sample of the
+train split in eval mode, spread over it; valid minus that is shown live, logged, and read by
+info/compare."""
 
 from __future__ import annotations
 
@@ -35,9 +36,13 @@ def test_the_gap_is_valid_minus_a_fixed_train_slice_in_eval_mode(tmp_path):
     n = min(GAP_TOKENS, data.split_info("valid").tokens // 2, data.split_info("train").tokens)
     lm = load_model(tmp_path / "run" / "checkpoints" / "step-00000012", device="cpu")
     info = data.split_info("train")
-    again = evaluate_tokens(lm.model, data.tokens("train")[:n], data.tokenizer, round(n * info.characters / info.tokens),
-                            round(n * info.bytes / info.tokens), lm.runtime, EvalProtocol(2)).bpc
-    assert abs(again - evals[-1]["train_slice_bpc"]) < 1e-5
+    assert info.tokens > 4 * n  # a sample spread over the split, not all of it
+    again = evaluate_tokens(lm.model, data.tokens("train"), data.tokenizer, info.characters, info.bytes, lm.runtime,
+                            EvalProtocol(2, sample=n))
+    assert again.tokens == n and abs(again.bpc - evals[-1]["train_slice_bpc"]) < 1e-5
+    first = evaluate_tokens(lm.model, data.tokens("train")[:n + 1], data.tokenizer, n + 1, n + 1, lm.runtime,
+                            EvalProtocol(2)).bpc
+    assert abs(first - again.bpc) > 1e-4  # and not the split's first tokens
     # Shown by zlm info (the checkpoint's trainer state) and zlm compare.
     r = CliRunner().invoke(app, ["info", str(tmp_path / "run" / "checkpoints" / "step-00000012")])
     assert r.exit_code == 0 and "generalisation gap" in r.output and f"{evals[-1]['gap']:+.4f}" in r.output
@@ -91,8 +96,8 @@ def test_with_eval_tokens_validation_and_the_train_slice_score_a_sample(tmp_path
     assert abs(again.bpc - evals[-1]["valid_bpc"]) < 1e-5
     n = 150  # the train slice: half the sample
     info = data.split_info("train")
-    slice_bpc = evaluate_tokens(lm.model, data.tokens("train")[:n], data.tokenizer, n, n, lm.runtime,
-                                EvalProtocol(2)).bpc
+    slice_bpc = evaluate_tokens(lm.model, data.tokens("train"), data.tokenizer, info.characters, info.bytes,
+                                lm.runtime, EvalProtocol(2, sample=n)).bpc
     assert info.characters == info.tokens and abs(slice_bpc - evals[-1]["train_slice_bpc"]) < 1e-5
     r = CliRunner().invoke(app, ["info", str(tmp_path / "run")])
     assert r.exit_code == 0 and "(on a 300-token sample of the valid split; zlm eval scores all of it)" in r.output

@@ -108,9 +108,8 @@ class Trainer:
                                  mode=mode, fault=fault)
         info = data.split_info("train")
         self.chars_per_token = info.characters / max(info.tokens, 1)
-        self.bytes_per_token = info.bytes / max(info.tokens, 1)
         valid_tokens = cfg.scored_valid_tokens(data.split_info("valid").tokens)
-        self.gap_tokens = max(2, min(GAP_TOKENS, valid_tokens // 2, info.tokens))  # the fixed train slice
+        self.gap_tokens = max(2, min(GAP_TOKENS, valid_tokens // 2, info.tokens))  # the train slice's size
 
     @property
     def parts(self) -> dict:
@@ -283,12 +282,14 @@ class Trainer:
                            until=cool.until, valid=[v for v, _ in g.history], train_slice=[t for _, t in g.history])
 
     def _train_slice_bpc(self) -> float:
-        """BPC in eval mode on the first `gap_tokens` tokens of the train split, measured as
-        validation is: valid BPC minus this is the generalisation gap shown while training."""
-        tokens = self.data.tokens("train")[: self.gap_tokens]
-        n = len(tokens)
-        return evaluate_tokens(self.model, tokens, self.data.tokenizer, round(n * self.chars_per_token),
-                               round(n * self.bytes_per_token), self.runtime, EvalProtocol(self.cfg.eval_streams),
+        """BPC in eval mode on `gap_tokens` tokens spread over the train split, measured as
+        validation is (the same streams, each scoring the first piece of its stretch, the same
+        pieces at every validation): valid BPC minus this is the generalisation gap shown
+        while training. Spread, not the split's first tokens: a text whose beginning is unlike
+        the rest (one collection of many) would otherwise show a gap of the wrong sign."""
+        info = self.data.split_info("train")
+        return evaluate_tokens(self.model, self.data.tokens("train"), self.data.tokenizer, info.characters, info.bytes,
+                               self.runtime, EvalProtocol(self.cfg.eval_streams, sample=self.gap_tokens),
                                self.par.sum, self.par.rank, self.par.world).bpc
 
     def save(self, reason: str) -> Path | None:
