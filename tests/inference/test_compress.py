@@ -279,6 +279,7 @@ def test_an_adapt_file_names_the_cells_recurrent_product(lms, monkeypatch):
     if ext is None or not ext.mkl_packed_ready():
         pytest.skip("no MKL packed GEMM here")
     monkeypatch.setattr(compiled, "on_intel", lambda: True)
+    monkeypatch.setattr(compiled, "TRANSPOSED_GRADS", True)  # the weight gradients' marker: its own test
     lm, data = lms["char"], shakespeare_text(1200).encode()
     blob, _ = compress_bytes(lm, data, ADAPT)
     assert Header.unpack(blob, "f")[0].kernel == compress.kernel_id("fp32", "cpp", True)
@@ -306,6 +307,7 @@ def test_an_adapt_file_names_the_vendor_where_mkl_runs_on_another_cpu(lms, monke
     lm, data = lms["char"], shakespeare_text(1200).encode()
     hidden = lm.model_config.hidden
     assert hidden <= compiled.MKL_ELSEWHERE_MAX_HIDDEN
+    monkeypatch.setattr(compiled, "TRANSPOSED_GRADS", True)  # the weight gradients' marker: its own test
     monkeypatch.setattr(compiled, "on_intel", lambda: True)
     intel, _ = compress_bytes(lm, data, ADAPT)
     monkeypatch.setattr(compiled, "on_intel", lambda: False)
@@ -324,6 +326,36 @@ def test_an_adapt_file_names_the_vendor_where_mkl_runs_on_another_cpu(lms, monke
     assert compress.kernel_path("cpp", True, hidden) == compress.kernel_path("cpp")
     onednn, _ = compress_bytes(lm, data, ADAPT)
     assert decompress_bytes(lm, onednn, "f")[0] == data
+
+
+def test_an_adapt_file_names_the_cells_weight_gradient_path(lms, monkeypatch):
+    """--adapt's steps take the cell's weight gradients too: a file coded where they are
+    torch.mm on the window's buffers (CPUs without AVX-512) says " grads-mm" in its kernel id
+    and is refused, in one line, where they come from transposed copies (the arithmetic
+    differs), and the other way round; with the copies the id is what it was before the
+    views existed, so such files still decode."""
+    import zlm.inference.compress as compress
+    from zlm.model.cells import compiled, cpu_ext
+
+    ext = cpu_ext.load_extension()
+    if ext is None or compiled.recurrent_backend(ext, hidden=lms["char"].model_config.hidden) == "addmm":
+        pytest.skip("no compiled fp32 time loop here")
+    lm, data = lms["char"], shakespeare_text(1200).encode()
+    hidden = lm.model_config.hidden
+    monkeypatch.setattr(compiled, "TRANSPOSED_GRADS", True)
+    copies, _ = compress_bytes(lm, data, ADAPT)
+    assert " grads-mm" not in compress.kernel_path("cpp", True, hidden)
+    assert decompress_bytes(lm, copies, "f")[0] == data
+    monkeypatch.setattr(compiled, "TRANSPOSED_GRADS", False)
+    assert compress.kernel_path("cpp", True, hidden).endswith(" grads-mm")
+    assert " grads-mm" not in compress.kernel_path("cpp", False, hidden)  # static coding runs no backward
+    with pytest.raises(CompressedFileError, match="another kernel path"):
+        decompress_bytes(lm, copies, "f")
+    views, _ = compress_bytes(lm, data, ADAPT)
+    assert decompress_bytes(lm, views, "f")[0] == data
+    monkeypatch.setattr(compiled, "TRANSPOSED_GRADS", True)
+    with pytest.raises(CompressedFileError, match="another kernel path"):
+        decompress_bytes(lm, views, "f")
 
 
 def test_refuses_damage_truncation_and_another_model(lms, tmp_path):

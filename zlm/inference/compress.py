@@ -114,7 +114,10 @@ def kernel_path(kernel: str = "cpp", adapt: bool = False, hidden: int = 0) -> st
     the dynamic-evaluation steps run the model's cell (`hidden` units) over windows too:
     where its fp32 recurrent product is MKL's packed GEMM, the path says so (" cell-mkl",
     and the vendor where the CPU is not Intel's, as MKL picks its code by CPU; oneDNN's, the
-    product files were coded with before, adds nothing, so those files still decode)."""
+    product files were coded with before, adds nothing, so those files still decode); where
+    its fp32 weight gradients are torch.mm on the window's buffers instead of oneDNN's
+    products on transposed copies (CPUs without AVX-512: `compiled.transposed_grads`), it
+    adds " grads-mm"."""
     ext = load_extension()
     if ext is None:
         step = "stepper-torch/t" + str(THREADS)
@@ -124,8 +127,11 @@ def kernel_path(kernel: str = "cpp", adapt: bool = False, hidden: int = 0) -> st
     else:
         step = "stepper-cpp/t" + str(THREADS)
     cell = ""
-    if adapt and ext is not None and compiled.recurrent_backend(ext, hidden=hidden) == "mkl":
+    product = compiled.recurrent_backend(ext, hidden=hidden) if adapt and ext is not None else None
+    if product == "mkl":
         cell = " cell-mkl" if compiled.on_intel() else f" cell-mkl-{cpu_vendor() or 'unknown'}"
+    if product in ("mkl", "onednn") and hasattr(ext, "backward_window") and not compiled.transposed_grads():
+        cell += " grads-mm"
     return (f"{step}/p{PROB_BITS} torch {torch.__version__} numpy "
             f"{np.__version__} {torch.backends.cpu.get_cpu_capability()}{cell}")
 
