@@ -53,6 +53,10 @@ def command(
         help="--dynamic: decay toward the trained weights per update.")] = DEFAULT_DECAY,
     segment: Annotated[int, typer.Option(
         help="--dynamic: tokens per segment (one update each; replaces --bptt).")] = DEFAULT_SEGMENT,
+    eval_tokens: Annotated[int, typer.Option(
+        help="Score at most this many predictions, spread over the text: each stream its "
+             "stretch's first piece, as `zlm train --eval-tokens` validates (0: all). "
+             "`--split train --eval-tokens 50000` is the generalisation gap's train side.")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Bits per character of a split or a text file, state carried across the whole text."""
@@ -63,7 +67,7 @@ def command(
     dyn = DynamicConfig(dynamic_lr, dynamic_decay, segment) if dynamic else None
     config = EvalConfig(split=None if file is not None else (split or "valid"), file=file,
                         streams=(1 if dynamic else 16) if batch_size is None else batch_size, bptt=bptt, unknown=unknown, device=device,
-                        dynamic=dyn)
+                        dynamic=dyn, sample=eval_tokens)
     result = evaluate(run, config)
     if as_json:
         typer.echo(json.dumps(result.to_dict()))

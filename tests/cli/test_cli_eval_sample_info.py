@@ -60,6 +60,23 @@ def test_eval_usage_errors(run, tmp_path):
     f.write_text("abc\u20acd", encoding="utf-8")
     res = runner.invoke(app, ["eval", str(run), "--file", str(f)])
     assert res.exit_code == 1 and "'€' (U+20AC) at character 3" in res.output
+    res = runner.invoke(app, ["eval", str(run), "--eval-tokens", "-1"])
+    assert res.exit_code == 2 and "--eval-tokens must be >= 0" in res.output
+    res = runner.invoke(app, ["eval", str(run), "--dynamic", "--eval-tokens", "100"])
+    assert res.exit_code == 2 and "drop --eval-tokens" in res.output
+
+
+def test_eval_on_a_sample(run):
+    """--eval-tokens N: each stream scores the first N/S predictions of its stretch; N at
+    least the split's predictions scores all of it, as without the option."""
+    whole = json.loads(ok("eval", run, "--batch-size", "4", "--json").stdout)
+    assert whole["tokens"] > 400
+    part = json.loads(ok("eval", run, "--batch-size", "4", "--eval-tokens", "400", "--json").stdout)
+    assert part["tokens"] == 400 and part["bpc"] != whole["bpc"] and "--eval-tokens 400" in part["protocol"]
+    assert part["characters"] < whole["characters"]
+    every = json.loads(ok("eval", run, "--batch-size", "4", "--eval-tokens", str(10 * whole["tokens"]),
+                          "--json").stdout)
+    assert every["tokens"] == whole["tokens"] and every["bpc"] == whole["bpc"]
 
 
 def test_sample_streams_and_repeats(run):

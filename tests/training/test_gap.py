@@ -40,6 +40,12 @@ def test_the_gap_is_valid_minus_a_fixed_train_slice_in_eval_mode(tmp_path):
     again = evaluate_tokens(lm.model, data.tokens("train"), data.tokenizer, info.characters, info.bytes, lm.runtime,
                             EvalProtocol(2, sample=n))
     assert again.tokens == n and abs(again.bpc - evals[-1]["train_slice_bpc"]) < 1e-5
+    r = CliRunner().invoke(app, ["eval", str(tmp_path / "run" / "checkpoints" / "step-00000012"), "--split", "train",
+                                 "--eval-tokens", str(n), "--batch-size", "2", "--json"])
+    assert r.exit_code == 0, r.output
+    cli = json.loads(r.output)  # zlm eval reproduces it
+    assert cli["tokens"] == n and abs(cli["bpc"] - evals[-1]["train_slice_bpc"]) < 1e-5
+    assert "--eval-tokens" in cli["protocol"]
     first = evaluate_tokens(lm.model, data.tokens("train")[:n + 1], data.tokenizer, n + 1, n + 1, lm.runtime,
                             EvalProtocol(2)).bpc
     assert abs(first - again.bpc) > 1e-4  # and not the split's first tokens

@@ -103,20 +103,23 @@ class EvalConfig:
     precision: str = "fp32"  # exact by default; auto/bf16/fp16 autocast the forward pass
     cell: str = "auto"  # auto | fused | reference
     dynamic: DynamicConfig | None = None  # --dynamic: also score with dynamic evaluation
+    sample: int = 0  # --eval-tokens: score at most this many predictions, spread over the text (0: all)
 
     def __post_init__(self):
         if self.dynamic is not None and self.precision != "fp32":
             raise UsageError("--dynamic runs in fp32; drop --precision")
+        if self.dynamic is not None and self.sample:
+            raise UsageError("--dynamic adapts to all the text before each segment; drop --eval-tokens")
         if (self.split is None) == (self.file is None):
             raise UsageError("pass one of --split or --file, not both")
         if self.split is not None and self.split not in SPLIT_NAMES:
             raise UsageError(f"--split {self.split} is not a split; use valid, test or train")
         check_unknown(self.unknown)
-        EvalProtocol(self.streams, self.bptt)  # checks --batch-size and --bptt
+        EvalProtocol(self.streams, self.bptt, self.sample)  # checks --batch-size, --bptt, --eval-tokens
 
     @property
     def protocol(self) -> EvalProtocol:
-        return EvalProtocol(self.streams, self.bptt)
+        return EvalProtocol(self.streams, self.bptt, self.sample)
 
 
 @dataclass(frozen=True)
@@ -188,6 +191,9 @@ def evaluate_loaded(lm, config: EvalConfig) -> EvalResult:
     seconds = time.perf_counter() - t0  # of the reported (dynamic, if asked) score only
     if dyn is not None:
         context = f"{context}; {dyn.describe()}"
+    if config.sample:
+        context = (f"{context}; --eval-tokens {config.sample:,}: each stream scores the first piece of its "
+                   "stretch, spread over the text (the whole text when it has no more)")
     return EvalResult(score, protocol.describe(score.tokens, context), source, str(lm.path),
                       lm.tokenizer.kind, seconds, config.split,
                       None if config.file is None else str(config.file), static, dyn)
