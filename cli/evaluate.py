@@ -56,7 +56,8 @@ def command(
     eval_tokens: Annotated[int, typer.Option(
         help="Score at most this many predictions, spread over the text: each stream its "
              "stretch's first piece, as `zlm train --eval-tokens` validates (0: all). "
-             "`--split train --eval-tokens 50000` is the generalisation gap's train side.")] = 0,
+             "`--split train --eval-tokens N` is the generalisation gap's train side, N "
+             "50000 or half the tokens validation scores if fewer.")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Bits per character of a split or a text file, state carried across the whole text."""
