@@ -271,7 +271,7 @@ def test_an_adapt_file_names_the_cells_recurrent_product(lms, monkeypatch):
     """--adapt runs the model's cell over windows on both sides: a file coded where its fp32
     product is MKL's says so in its kernel id and is refused, in one line, where the product
     is oneDNN's (the arithmetic differs); with oneDNN's the id is what it was before the MKL
-    path existed, so such files still decode."""
+    path existed, and such files decode where MKL's is the default (through oneDNN's)."""
     import zlm.inference.compress as compress
     from zlm.model.cells import compiled, cpu_ext
 
@@ -291,6 +291,11 @@ def test_an_adapt_file_names_the_cells_recurrent_product(lms, monkeypatch):
     assert compress.kernel_id("fp32", "cpp", True) == compress.kernel_id("fp32", "cpp")
     onednn, _ = compress_bytes(lm, data, ADAPT)
     assert decompress_bytes(lm, onednn, "f")[0] == data
+    # Where MKL's product is the default, a file coded through oneDNN's (as every file was
+    # before the MKL path) decodes through oneDNN's, for that file alone.
+    monkeypatch.setattr(compiled, "USE_MKL", True)
+    assert compress._matching_kernel(lm, Header.unpack(onednn, "f")[0], "f")[1].get("USE_MKL") is False
+    assert decompress_bytes(lm, onednn, "f")[0] == data and compiled.USE_MKL is True
 
 
 def test_an_adapt_file_names_the_vendor_where_mkl_runs_on_another_cpu(lms, monkeypatch):
@@ -330,10 +335,11 @@ def test_an_adapt_file_names_the_vendor_where_mkl_runs_on_another_cpu(lms, monke
 
 def test_an_adapt_file_names_the_cells_weight_gradient_path(lms, monkeypatch):
     """--adapt's steps take the cell's weight gradients too: a file coded where they are
-    torch.mm on the window's buffers (CPUs without AVX-512) says " grads-mm" in its kernel id
-    and is refused, in one line, where they come from transposed copies (the arithmetic
-    differs), and the other way round; with the copies the id is what it was before the
-    views existed, so such files still decode."""
+    torch.mm on the window's buffers (CPUs without AVX-512) says " grads-mm" in its kernel id;
+    with the transposed copies the id is what it was before the views existed. The compiled
+    cell has both paths everywhere, so a file coded under either decodes under the other
+    setting too: the decoder finds the path whose id is the file's and runs it for the file
+    alone (the arithmetic differs between them)."""
     import zlm.inference.compress as compress
     from zlm.model.cells import compiled, cpu_ext
 
@@ -349,13 +355,14 @@ def test_an_adapt_file_names_the_cells_weight_gradient_path(lms, monkeypatch):
     monkeypatch.setattr(compiled, "TRANSPOSED_GRADS", False)
     assert compress.kernel_path("cpp", True, hidden).endswith(" grads-mm")
     assert " grads-mm" not in compress.kernel_path("cpp", False, hidden)  # static coding runs no backward
-    with pytest.raises(CompressedFileError, match="another kernel path"):
-        decompress_bytes(lm, copies, "f")
     views, _ = compress_bytes(lm, data, ADAPT)
-    assert decompress_bytes(lm, views, "f")[0] == data
+    assert Header.unpack(views, "f")[0].kernel != Header.unpack(copies, "f")[0].kernel
+    header = Header.unpack(copies, "f")[0]
+    assert compress._matching_kernel(lm, header, "f")[1].get("TRANSPOSED_GRADS") is True
+    assert decompress_bytes(lm, copies, "f")[0] == data and compiled.TRANSPOSED_GRADS is False  # restored
     monkeypatch.setattr(compiled, "TRANSPOSED_GRADS", True)
-    with pytest.raises(CompressedFileError, match="another kernel path"):
-        decompress_bytes(lm, views, "f")
+    assert compress._matching_kernel(lm, Header.unpack(views, "f")[0], "f")[1].get("TRANSPOSED_GRADS") is False
+    assert decompress_bytes(lm, views, "f")[0] == data and compiled.TRANSPOSED_GRADS is True
 
 
 def test_refuses_damage_truncation_and_another_model(lms, tmp_path):

@@ -351,6 +351,48 @@ def compress_bytes(lm: LoadedModel, data: bytes, adapt: DynamicConfig | None = N
                                float(bits.sum()), adapt, len(blocks), int((~coded).sum()), coded_bits)
 
 
+# The cell's settings an --adapt file may have been coded under on this same machine: the
+# compiled cell has both fp32 products (MKL's, oneDNN's) and both weight-gradient paths, so
+# a file coded before zlm changed its choice here still decodes (first match wins).
+_CELL_VARIANTS = ({}, {"TRANSPOSED_GRADS": True}, {"USE_MKL": False}, {"USE_MKL": False, "TRANSPOSED_GRADS": True},
+                  {"TRANSPOSED_GRADS": False}, {"USE_MKL": False, "TRANSPOSED_GRADS": False})
+
+
+@contextlib.contextmanager
+def _cell_settings(settings: dict):
+    """`compiled`'s module settings (USE_MKL, TRANSPOSED_GRADS) set for the block, then
+    restored: decoding a file reproduces the arithmetic it was coded with. Not for a process
+    that trains in another thread meanwhile (zlm decompress is a command of its own)."""
+    before = {key: getattr(compiled, key) for key in settings}
+    try:
+        for key, value in settings.items():
+            setattr(compiled, key, value)
+        yield
+    finally:
+        for key, value in before.items():
+            setattr(compiled, key, value)
+
+
+def _matching_kernel(lm: LoadedModel, header: Header, name: str) -> tuple[str, dict]:
+    """The Stepper kernel and cell settings whose kernel id is the file's; else a one-line
+    CompressedFileError. "cpp" also matches files coded before "decode"; an --adapt file
+    also tries the cell's other products and weight-gradient paths (`_CELL_VARIANTS`)."""
+    prec = lm.runtime.precision
+    adapt = header.adapt is not None
+    hidden = lm.model_config.hidden
+    for cell in _CELL_VARIANTS if adapt else ({},):
+        with _cell_settings(cell):
+            kernel = next((k for k in dict.fromkeys((coder_kernel(header.adapt), "cpp"))
+                           if header.kernel == kernel_id(prec, k, adapt, hidden)), None)
+        if kernel is not None:
+            return kernel, cell
+    mine = coder_kernel(header.adapt)
+    raise CompressedFileError(
+        f"{name} was compressed with another kernel path (id {header.kernel.hex()}; this is "
+        f"{kernel_id(prec, mine, adapt, hidden).hex()}: '{prec} {kernel_path(mine, adapt, hidden)}'); decompress with "
+        "the same zlm/torch build on the same kind of CPU")
+
+
 def decompress_bytes(lm: LoadedModel, blob: bytes, name: str = "input",
                      progress: Callable[[float], None] | None = None) -> tuple[bytes, CompressResult]:
     """.zlmz bytes -> the original bytes, checked; a one-line CompressedFileError otherwise."""
@@ -361,17 +403,7 @@ def decompress_bytes(lm: LoadedModel, blob: bytes, name: str = "input",
         raise CompressedFileError(
             f"{name} was compressed with a different model (id {header.model.hex()}, this "
             f"one is {mine[:8].hex()}); pass the RUN it was compressed with")
-    prec = lm.runtime.precision
-    adapt = header.adapt is not None
-    hidden = lm.model_config.hidden
-    kernel = next((k for k in dict.fromkeys((coder_kernel(header.adapt), "cpp"))
-                   if header.kernel == kernel_id(prec, k, adapt, hidden)), None)  # "cpp": files coded before "decode"
-    if kernel is None:
-        mine = coder_kernel(header.adapt)
-        raise CompressedFileError(
-            f"{name} was compressed with another kernel path (id {header.kernel.hex()}; this is "
-            f"{kernel_id(prec, mine, adapt, hidden).hex()}: '{prec} {kernel_path(mine, adapt, hidden)}'); decompress with "
-            "the same zlm/torch build on the same kind of CPU")
+    kernel, cell = _matching_kernel(lm, header, name)
     alphabet = Alphabet(lm.tokenizer)
     blocks = Layout(header.length, header.streams).blocks()
     stored_bytes = sum(z - a for (_, a, z), c in zip(blocks, header.coded, strict=True) if not c)
@@ -398,7 +430,7 @@ def decompress_bytes(lm: LoadedModel, blob: bytes, name: str = "input",
     cells, owner, lengths = _streams(blocks, ext, header.streams)
     coded = np.array(header.coded + (False,), dtype=bool)[owner]  # owner -1 -> False
     side = DecodeSide(blob[at:], cells, coded, alphabet)
-    with fixed_threads() if kernel == "cpp" else contextlib.nullcontext():
+    with fixed_threads() if kernel == "cpp" else contextlib.nullcontext(), _cell_settings(cell):
         run_coder(lm.model, alphabet, lengths, side, header.adapt, progress=progress, kernel=kernel)
     parts, fill = [], [0] * header.streams
     for (s, _, _), r, e in zip(blocks, raw, ext, strict=True):
