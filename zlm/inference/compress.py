@@ -130,7 +130,7 @@ def kernel_path(kernel: str = "cpp", adapt: bool = False, hidden: int = 0) -> st
     product = compiled.recurrent_backend(ext, hidden=hidden) if adapt and ext is not None else None
     if product == "mkl":
         cell = " cell-mkl" if compiled.on_intel() else f" cell-mkl-{cpu_vendor() or 'unknown'}"
-    if product in ("mkl", "onednn") and hasattr(ext, "backward_window") and not compiled.transposed_grads():
+    if product is not None and compiled.weight_grads_by_mm(ext, hidden):
         cell += " grads-mm"
     return (f"{step}/p{PROB_BITS} torch {torch.__version__} numpy "
             f"{np.__version__} {torch.backends.cpu.get_cpu_capability()}{cell}")
@@ -354,8 +354,8 @@ def compress_bytes(lm: LoadedModel, data: bytes, adapt: DynamicConfig | None = N
 # The cell's settings an --adapt file may have been coded under on this same machine: the
 # compiled cell has both fp32 products (MKL's, oneDNN's) and both weight-gradient paths, so
 # a file coded before zlm changed its choice here still decodes (first match wins).
-_CELL_VARIANTS = ({}, {"TRANSPOSED_GRADS": True}, {"USE_MKL": False}, {"USE_MKL": False, "TRANSPOSED_GRADS": True},
-                  {"TRANSPOSED_GRADS": False}, {"USE_MKL": False, "TRANSPOSED_GRADS": False})
+_CELL_VARIANTS = tuple({**product, **grads} for product in ({}, {"USE_MKL": False})
+                       for grads in ({}, {"TRANSPOSED_GRADS": True}, {"TRANSPOSED_GRADS": False}))
 
 
 @contextlib.contextmanager

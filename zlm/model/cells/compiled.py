@@ -203,6 +203,13 @@ def transposed_grads() -> bool:
     return _avx512() if TRANSPOSED_GRADS is None else TRANSPOSED_GRADS
 
 
+def weight_grads_by_mm(ext, hidden: int) -> bool:
+    """Whether an fp32 window of `hidden` units takes its weight gradients as torch.mm on the
+    window's buffers: its backward runs in C++ (packed products) without `transposed_grads`."""
+    return (recurrent_backend(ext, hidden=hidden) in ("mkl", "onednn") and hasattr(ext, "backward_window")
+            and not transposed_grads())
+
+
 @functools.cache
 def on_intel() -> bool:
     """Whether this is an Intel CPU (read once: every window asks)."""
@@ -286,7 +293,7 @@ def _backward(ext, ws, w_hh, y_all, keep_c, keep_h, dy, dh_T, dc_T, lp: bool):
     if _in_cpp(ext, gemm, "backward_window"):
         kc, zc = _keep_args(keep_c, slice(None))
         kh, zh = _keep_args(keep_h, slice(None))
-        ws.transposed = not lp and w_hh.dtype == torch.float32 and transposed_grads()
+        ws.transposed = not lp and transposed_grads()  # the C++ loop without lp is fp32
         if ws.transposed and ws.dgates_t is None:
             ws.dgates_t = torch.empty(dgates.shape[-1], T * B, dtype=torch.float32)
             ws.h_t = torch.empty(w_hh.shape[1], T * B, dtype=torch.float32)

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from zlm.model.cells import packed_gemm
+from zlm.model.cells.compiled import compute_lp
 from zlm.model.cells.masks import Keep
 
 
@@ -45,5 +46,4 @@ def _no_bf16_lstm(x: Tensor) -> bool:
     """Whether bf16 autocast is on for a CPU tensor where oneDNN has no bf16 LSTM (a CPU
     without native bf16, where torch's LSTM under bf16 autocast fails to build its
     primitive): the layer then runs in fp32, the rest of the model under autocast as asked."""
-    return (x.device.type == "cpu" and torch.is_autocast_enabled("cpu")
-            and torch.get_autocast_dtype("cpu") == torch.bfloat16 and not packed_gemm.ONEDNN_BF16)
+    return compute_lp(x) and not packed_gemm.ONEDNN_BF16
