@@ -304,6 +304,86 @@ def test_a_run_the_overfitting_guard_leaves_alone_is_kept(corpora, tmp_path, mon
     assert "on_overfit continue -> cool-down" in res.output
 
 
+def test_a_record_trained_under_an_earlier_guard_stands_and_is_named(corpora, tmp_path):
+    """The recipe restores a record whose plan is today's even where today's guard would have
+    reacted on it (its log rewritten to rise while the train slice falls, with no reaction),
+    keeps it in the tables, and says so."""
+    args = ["recipe", "corpora-benchmark", "--corpora", str(corpora), "--only", "fortunes-ru",
+            "--seeds", "1", "--max-steps", "4", "--hidden", "16", "--embed", "8", "--batch-size", "4",
+            "--bptt", "16", "--record", str(tmp_path / "record"), "--json"]
+    res = runner.invoke(app, [*args, "--out", str(tmp_path / "a")])
+    assert res.exit_code == 0, res.output
+    assert "earlier overfitting guard" not in res.output
+    record = tmp_path / "record" / "fortunes-ru" / "defaults-seed1"
+    assert json.loads((record / "config.json").read_text())["train"]["on_overfit"] == "cool-down"
+    log = [json.loads(line) for line in gzip.decompress((record / cb.RECORD_LOG).read_bytes()).splitlines()]
+    rising = [{"event": "eval", "step": s, "valid_bpc": v, "train_slice_bpc": t}
+              for s, (v, t) in enumerate(RISING, 1)]
+    log = [e for e in log if e["event"] != "eval" or e["step"] == 4] + rising
+    (record / cb.RECORD_LOG).write_bytes(gzip.compress("".join(json.dumps(e) + "\n" for e in log).encode()))
+    res = runner.invoke(app, [*args, "--report", "--out", str(tmp_path / "b")])
+    assert res.exit_code == 0, res.output
+    assert sorted(r["setting"] for r in json.loads(res.stdout)["runs"]) == ["baseline", "defaults"]
+    assert ("defaults-seed1 was trained under an earlier overfitting guard (the guard now reacts at step 3; "
+            "this run's never did): it stands as trained") in " ".join(res.output.split())
+
+
+def stored_run(root: pathlib.Path, name: str, on_overfit: str, history, reacted: int | None = None,
+               gzipped: bool = False) -> pathlib.Path:
+    """A run dir (or, gzipped, a record) holding only what `guard_moved` reads: config.json's
+    train.on_overfit and the log's eval events (steps 1, 2, ...) and its overfit event."""
+    run = root / name
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"train": {"on_overfit": on_overfit}}))
+    events = [{"event": "start", "step": 0}]
+    for step, (valid, train) in enumerate(history, 1):
+        events.append({"event": "eval", "step": step, "valid_bpc": valid, "train_slice_bpc": train})
+        if step == reacted:
+            events.append({"event": "overfit", "step": step})
+    text = "".join(json.dumps(e) + "\n" for e in events)
+    if gzipped:
+        (run / cb.RECORD_LOG).write_bytes(gzip.compress(text.encode()))
+    else:
+        (run / "metrics.jsonl").write_text(text)
+    return run
+
+
+RISING = [(5.0, 4.9), (5.2, 4.8), (5.5, 4.7)]  # the guard reacts at the third validation (step 3)
+FALLING = [(5.0, 4.9), (4.9, 4.8), (4.8, 4.7), (4.7, 4.6)]
+
+
+def test_guard_moved_tells_a_run_trained_under_another_guard(tmp_path):
+    """`stale` compares plans; `guard_moved` replays today's guard over a run's validations
+    (up to its own reaction) and says where the two part."""
+    assert cb.first_overfit(RISING) == 2
+    agree = [stored_run(tmp_path, "same-reaction", "cool-down", RISING + [(5.1, 4.8)], reacted=3),
+             stored_run(tmp_path, "never", "cool-down", FALLING, gzipped=True),
+             stored_run(tmp_path, "no-guard", "continue", RISING + [(5.6, 4.6)]),
+             # its last validation ends the run either way: the guard reacting there changes nothing
+             stored_run(tmp_path, "at-the-end", "cool-down", RISING)]
+    assert [cb.guard_moved(r) for r in agree] == ["", "", "", ""]
+    assert cb.guard_moved(stored_run(tmp_path, "missed", "cool-down", RISING + [(5.6, 4.6)], gzipped=True)) == \
+        "the guard now reacts at step 3; this run's never did"
+    assert cb.guard_moved(stored_run(tmp_path, "late", "cool-down", RISING + [(5.6, 4.6)], reacted=4)) == \
+        "the guard now reacts at step 3; this run's reacted at 4"
+    assert cb.guard_moved(stored_run(tmp_path, "early", "cool-down", FALLING, reacted=2)) == \
+        "the guard now does not react by step 2, where this run's did"
+
+
+def test_the_guard_has_moved_on_exactly_the_record_the_docs_name():
+    """Replayed over every recorded run of the leave-one-corpus-out benchmark, today's guard
+    parts from the guard the run trained under on one run only: fortunes-zh's window-grid
+    run at the data-rich window, trained before the drift test, which would react at its 9th
+    of 10 validations (docs/defaults-rule.md: "The records under the drift test"). A change
+    of the guard's test that moves any other record fails here until the docs say so."""
+    records = pathlib.Path(__file__).resolve().parents[2] / "docs" / "records" / "defaults-loco"
+    runs = sorted(records.glob("*/*"))
+    assert len(runs) > 60
+    moved = {f"{r.parent.name}/{r.name}": cb.guard_moved(r) for r in runs}
+    assert {k: v for k, v in moved.items() if v} == {
+        "fortunes-zh/window-data-rich-zc0.1-seed1": "the guard now reacts at step 5130; this run's never did"}
+
+
 def test_record_log_drops_step_lines_and_thins_train_lines(tmp_path):
     run = tmp_path / "run"
     run.mkdir()

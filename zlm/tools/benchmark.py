@@ -258,15 +258,48 @@ def guard_idle(stored: Path) -> bool:
     return first_overfit([(e["valid_bpc"], e.get("train_slice_bpc")) for e in evals[:-1]]) is None
 
 
+def guard_moved(stored: Path) -> str:
+    """Where the overfitting guard as it is now parts from the guard a run trained with
+    (`--on-overfit cool-down`), replayed over the run's validations up to its reaction ("" when
+    they agree, or the run had no guard or has no log): "the guard now reacts at step 570;
+    this run's reacted at 1140". `stale` compares plans, not the guard's test, so a run
+    trained under an earlier version of that test is told by this."""
+    config = json.loads((stored / "config.json").read_text(encoding="utf-8"))
+    events = _events(stored)
+    if config.get("train", {}).get("on_overfit") != "cool-down" or events is None:
+        return ""
+    reacted = next((e["step"] for e in events if e.get("event") == "overfit"), None)
+    evals = _evals(events)
+    # the last validation ends the run either way; a reaction's own validation is the last it saw
+    seen = evals[:-1] if reacted is None else [e for e in evals if e["step"] <= reacted]
+    k = first_overfit([(e["valid_bpc"], e.get("train_slice_bpc")) for e in seen])
+    now = None if k is None else seen[k]["step"]
+    if now == reacted:
+        return ""
+    if reacted is None:
+        return f"the guard now reacts at step {now}; this run's never did"
+    if now is None:
+        return f"the guard now does not react by step {reacted}, where this run's did"
+    return f"the guard now reacts at step {now}; this run's reacted at {reacted}"
+
+
 def validations(stored: Path) -> list[dict] | None:
     """The eval events of the run in `stored` (run dir or record), one per step (a resumed
     run's repeat replaces the first), in step order; None when it has no log."""
+    events = _events(stored)
+    return None if events is None else _evals(events)
+
+
+def _events(stored: Path) -> list[dict] | None:
+    """Every event of the run in `stored` (its metrics.jsonl, or a record's gzipped log)."""
     if (stored / "metrics.jsonl").is_file():
-        events = read_metrics(stored / "metrics.jsonl")
-    elif (stored / RECORD_LOG).is_file():
-        events = parse_metrics(gzip.decompress((stored / RECORD_LOG).read_bytes()).decode("utf-8"))
-    else:
-        return None
+        return read_metrics(stored / "metrics.jsonl")
+    if (stored / RECORD_LOG).is_file():
+        return parse_metrics(gzip.decompress((stored / RECORD_LOG).read_bytes()).decode("utf-8"))
+    return None
+
+
+def _evals(events: list[dict]) -> list[dict]:
     evals = {e["step"]: e for e in events if e.get("event") == "eval"}
     return [evals[k] for k in sorted(evals)]
 
@@ -331,6 +364,9 @@ def train_once(setting: str, data: Dataset, seed: int, config: BenchmarkConfig, 
         if run(planned, rep).interrupted:
             raise ZlmError(f"interrupted during {run_dir} (checkpoint saved); run the same zlm "
                            "recipe command again to continue")
+    moved = guard_moved(planned.run_dir)
+    if moved:
+        say(f"{planned.run_dir} was trained under an earlier overfitting guard ({moved}): it stands as trained")
     row = score_run(planned.run_dir, setting, planned.spec.train.device)
     if record is not None and (renew or not recorded):
         save_record(run_dir, record)
