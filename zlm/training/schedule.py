@@ -122,13 +122,16 @@ def drifting(history: Sequence[tuple[float, float | None]], best: tuple[float, f
              rises: int = RISES, min_rise: float = MIN_RISE) -> bool:
     """Whether the last `rises` validations of `history` each scored valid at least `min_rise`
     of `best`'s valid BPC above it, while the train slice scored better at the last of them
-    than at `best` (the run's best validation before them, (valid BPC, train-slice BPC))."""
-    if best is None or best[1] is None or len(history) < rises:
+    than at `best` (the run's best validation before them, (valid BPC, train-slice BPC)), and
+    the last did not score valid `min_rise` or more below the one before it: a run climbing
+    back from one bad validation is not drifting away from its best."""
+    if best is None or best[1] is None or len(history) < max(rises, 2):
         return False
     recent = history[-rises:]
     above = all(v >= best[0] * (1 + min_rise) for v, _ in recent)
+    climbing_back = history[-1][0] <= history[-2][0] * (1 - min_rise)
     last = recent[-1][1]
-    return above and last is not None and last < best[1]
+    return above and not climbing_back and last is not None and last < best[1]
 
 
 def first_overfit(history: Sequence[tuple[float, float | None]]) -> int | None:
