@@ -124,9 +124,9 @@ def command(
     average: Annotated[float | None, _opt("Average the weights over this last share of the run; validation "
                                           "scores the average and best/ keeps it (0 = off; needs a run length).",
                                           H_TRAIN, "average")] = None,
-    on_overfit: Annotated[str | None, _opt("continue | cool-down: once valid BPC rises twice in a row, or stays "
-                                           "1% over its best twice (not climbing back), while train BPC falls: back to best/, lr cooled "
-                                           "to 0 over half --eval-every, stop.", H_TRAIN, "on_overfit")] = None,
+    on_overfit: Annotated[str | None, _opt("continue | cool-down: once valid BPC rises twice in a row, or stays 1% over "
+                                           "its best twice (not climbing back), while train BPC falls: back to best/, "
+                                           "lr cooled to 0 over half --eval-every, stop.", H_TRAIN, "on_overfit")] = None,
     seed: Annotated[int | None, _opt("Random seed.", H_TRAIN, "seed")] = None,
     device: Annotated[str | None, _opt("auto | cpu | cuda.", H_RUN, default="auto: cuda when available")] = None,
     precision: Annotated[str | None, _opt("auto | fp32 | bf16 | fp16.", H_RUN,
