@@ -71,3 +71,13 @@ def test_speaker_names_divides_each_split_among_seen_and_unseen_name_lines(tmp_p
         listed = next(line for line in lines if line.startswith(f"{split}: "))
         assert listed == f"{split}: {len(unseen)} speakers not in train: " + ", ".join(
             f"{name} ({c})" for name, c in sorted(name_chars.items(), key=lambda kv: -kv[1]))
+
+
+def test_speaker_names_refuses_a_text_that_is_no_play(tmp_path):
+    data = Dataset.open(write_char_dataset(tmp_path / "data", "no speeches here, only prose.\n" * 300))
+    run = tmp_path / "run"
+    train_run(run, data, ModelConfig(vocab_size=data.vocab_size, hidden=16, embed=8),
+              TrainConfig(batch_size=4, bptt=16, max_steps=2, eval_every=2, log_every=100, eval_streams=4))
+    out = subprocess.run([sys.executable, str(SCRIPT), str(run)], capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and out.stdout == ""
+    assert "has no speaker lines" in out.stderr and len(out.stderr.strip().splitlines()) == 1
