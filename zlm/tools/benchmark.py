@@ -255,7 +255,7 @@ def guard_idle(stored: Path) -> bool:
     evals = validations(stored)
     if evals is None:
         return False
-    return first_overfit([(e["valid_bpc"], e.get("train_slice_bpc")) for e in evals[:-1]]) is None
+    return _first_reaction(evals[:-1]) is None
 
 
 def guard_moved(stored: Path) -> str:
@@ -271,9 +271,7 @@ def guard_moved(stored: Path) -> str:
     reacted = next((e["step"] for e in events if e.get("event") == "overfit"), None)
     evals = _evals(events)
     # the last validation ends the run either way; a reaction's own validation is the last it saw
-    seen = evals[:-1] if reacted is None else [e for e in evals if e["step"] <= reacted]
-    k = first_overfit([(e["valid_bpc"], e.get("train_slice_bpc")) for e in seen])
-    now = None if k is None else seen[k]["step"]
+    now = _first_reaction(evals[:-1] if reacted is None else [e for e in evals if e["step"] <= reacted])
     if now == reacted:
         return ""
     if reacted is None:
@@ -281,6 +279,12 @@ def guard_moved(stored: Path) -> str:
     if now is None:
         return f"the guard now does not react by step {reacted}, where this run's did"
     return f"the guard now reacts at step {now}; this run's reacted at {reacted}"
+
+
+def _first_reaction(evals: list[dict]) -> int | None:
+    """The step of the first of these eval events at which today's guard reacts (None: never)."""
+    k = first_overfit([(e["valid_bpc"], e.get("train_slice_bpc")) for e in evals])
+    return None if k is None else evals[k]["step"]
 
 
 def validations(stored: Path) -> list[dict] | None:
