@@ -15,7 +15,7 @@ import typer
 
 from zlm.cli.render import handle_errors, print_pairs, use_rich
 from zlm.errors import UsageError
-from zlm.inference.dynamic_config import DEFAULT_DECAY, DEFAULT_LR, DEFAULT_SEGMENT, DynamicConfig
+from zlm.inference.adapt_config import DEFAULT_DECAY, DEFAULT_LR, DEFAULT_SEGMENT, DynamicConfig
 
 if TYPE_CHECKING:
     from zlm.inference.compress import CompressResult

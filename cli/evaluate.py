@@ -15,7 +15,15 @@ import typer
 
 from zlm.cli.render import handle_errors, print_pairs, use_rich
 from zlm.errors import UsageError
-from zlm.inference.dynamic_config import DEFAULT_DECAY, DEFAULT_LR, DEFAULT_SEGMENT, DynamicConfig
+from zlm.inference.adapt_config import (
+    DEFAULT_CACHE_SIZE,
+    DEFAULT_CACHE_THETA,
+    DEFAULT_DECAY,
+    DEFAULT_LR,
+    DEFAULT_SEGMENT,
+    CacheConfig,
+    DynamicConfig,
+)
 
 if TYPE_CHECKING:
     from zlm.inference.evaluate import EvalResult
@@ -53,6 +61,18 @@ def command(
         help="--dynamic: decay toward the trained weights per update.")] = DEFAULT_DECAY,
     segment: Annotated[int, typer.Option(
         help="--dynamic: tokens per segment (one update each; replaces --bptt).")] = DEFAULT_SEGMENT,
+    cache: Annotated[bool, typer.Option(
+        "--cache", help="The continuous cache (Grave et al. 2017): each prediction mixed with "
+        "the tokens that followed the stream's recent positions whose states match this one; "
+        "no weight changes. BPC is the cached value, static BPC beside it.")] = False,
+    cache_size: Annotated[int, typer.Option(
+        help="--cache: past positions of each stream it remembers.")] = DEFAULT_CACHE_SIZE,
+    cache_theta: Annotated[float, typer.Option(
+        help="--cache: sharpness of the match, exp(theta h_t . h_i).")] = DEFAULT_CACHE_THETA,
+    cache_lambda: Annotated[float | None, typer.Option(
+        help="--cache: fix the cache's share of the mixture at this value \\[default: a "
+             "mixture over shares 0 to 0.9 that switches as the text does].",
+        show_default=False)] = None,
     eval_tokens: Annotated[int, typer.Option(
         help="Score at most this many predictions, spread over the text: each stream its "
              "stretch's first piece, as `zlm train --eval-tokens` validates (0: all). "
@@ -66,9 +86,11 @@ def command(
     if split is not None and file is not None:
         raise UsageError("pass --split or --file, not both")
     dyn = DynamicConfig(dynamic_lr, dynamic_decay, segment) if dynamic else None
+    cached = CacheConfig(cache_size, cache_theta, cache_lambda) if cache else None
     config = EvalConfig(split=None if file is not None else (split or "valid"), file=file,
-                        streams=(1 if dynamic else 16) if batch_size is None else batch_size, bptt=bptt, unknown=unknown, device=device,
-                        dynamic=dyn, sample=eval_tokens)
+                        streams=(1 if dynamic else 16) if batch_size is None else batch_size,
+                        bptt=bptt, unknown=unknown, device=device, dynamic=dyn, cache=cached,
+                        sample=eval_tokens)
     result = evaluate(run, config)
     if as_json:
         typer.echo(json.dumps(result.to_dict()))
@@ -78,10 +100,11 @@ def command(
 
 def _rows(r: EvalResult) -> list[tuple[str, str]]:
     s = r.score
-    rows = [("BPC", f"{s.bpc:.4f} bits/character" + (" (dynamic)" if r.dynamic else ""))]
+    how = "dynamic" if r.dynamic else "the cache" if r.cache else ""
+    rows = [("BPC", f"{s.bpc:.4f} bits/character" + (f" ({'with ' if r.cache else ''}{how})" if how else ""))]
     if r.static is not None:
         gain = r.static.bpc - s.bpc
-        rows.append(("static BPC", f"{r.static.bpc:.4f} bits/character (dynamic gains {gain:+.4f})"))
+        rows.append(("static BPC", f"{r.static.bpc:.4f} bits/character ({how} gains {gain:+.4f})"))
     rows.append(("characters", f"{s.characters:,}"))
     if s.bytes != s.characters:
         rows.append(("bits per byte", f"{s.bits_per_byte:.4f} bits/byte over {s.bytes:,} bytes"))

@@ -79,6 +79,30 @@ def test_eval_on_a_sample(run):
     assert every["tokens"] == whole["tokens"] and every["bpc"] == whole["bpc"]
 
 
+def test_eval_with_the_cache(run, tmp_path):
+    """--cache: BPC is the cached score, the static one beside it over the same streams;
+    the settings are in the JSON and the protocol; a text file takes it too."""
+    plain = json.loads(ok("eval", run, "--batch-size", "4", "--json").stdout)
+    out = json.loads(ok("eval", run, "--batch-size", "4", "--cache", "--json").stdout)
+    assert out["static_bpc"] == pytest.approx(plain["bpc"], rel=1e-9) and out["bpc"] != plain["bpc"]
+    assert out["cache"] == {"size": 2000, "theta": 0.5, "mix": None} and out["dynamic"] is None
+    assert "continuous cache" in out["protocol"] and out["tokens"] == plain["tokens"]
+    fixed = json.loads(ok("eval", run, "--batch-size", "4", "--cache", "--cache-lambda", "0",
+                          "--json").stdout)
+    assert fixed["bpc"] == pytest.approx(plain["bpc"], rel=1e-6) and fixed["cache"]["mix"] == 0
+    text = ok("eval", run, "--cache", "--cache-size", "100").stdout
+    assert "(with the cache)" in text and "the cache gains" in text
+    f = tmp_path / "t.txt"
+    f.write_text("First Citizen:\nSpeak, speak.\n" * 3, encoding="utf-8")
+    out = json.loads(ok("eval", run, "--file", f, "--cache", "--batch-size", "1", "--json").stdout)
+    assert out["characters"] == 87 and out["bpc"] < out["static_bpc"]
+    for args, message in ((["--cache", "--dynamic"], "not both"),
+                          (["--cache", "--cache-lambda", "1"], "--cache-lambda must be in [0, 1)"),
+                          (["--cache", "--cache-size", "0"], "--cache-size must be >= 1")):
+        res = runner.invoke(app, ["eval", str(run), *args])
+        assert res.exit_code == 2 and message in res.output, res.output
+
+
 def test_sample_streams_and_repeats(run):
     a = ok("sample", run, "--prime", "ROMEO:", "--length", "50", "--seed", "7").stdout
     b = ok("sample", run, "--prime", "ROMEO:", "--length", "50", "--seed", "7").stdout

@@ -20,6 +20,7 @@ from zlm.core.eval_protocol import COLD_START_BITS, EvalProtocol, evaluate_predi
 from zlm.core.precision import resolve_runtime
 from zlm.data.dataset import Dataset
 from zlm.errors import DataError, UsageError
+from zlm.inference.adapt_config import CacheConfig
 from zlm.inference.language_model import load
 from zlm.model.lm import ModelConfig, ZoneoutLM
 
@@ -114,6 +115,21 @@ def test_stream_count_changes_bpc_by_at_most_the_documented_cold_start(run):
     for s, score in scores.items():
         assert (score.tokens, score.characters) == (one.tokens, one.characters)
         check_streams_against_the_slow_loop(run, tokens, s, score.bpc)
+
+
+def test_the_python_api_scores_with_the_cache(run):
+    """cache=True is `zlm eval --cache` with its defaults; a CacheConfig sets it; lambda 0
+    is the static score."""
+    lm = load(run)
+    static = lm.evaluate_split("valid", streams=4)
+    cached = lm.evaluate_split("valid", streams=4, cache=True)
+    res = CliRunner().invoke(app, ["eval", str(run), "--batch-size", "4", "--cache", "--json"])
+    assert cached.bpc == pytest.approx(json.loads(res.stdout)["bpc"], rel=1e-9)
+    assert (cached.tokens, cached.characters) == (static.tokens, static.characters)
+    zero = lm.evaluate_split("valid", streams=4, cache=CacheConfig(mix=0.0))
+    assert zero.bpc == pytest.approx(static.bpc, rel=1e-6) and cached.bpc != static.bpc
+    text = "First Citizen:\nSpeak, speak.\n" * 3
+    assert lm.evaluate_text(text, cache=True).characters == len(text)
 
 
 @pytest.mark.parametrize("n", [1, 2, 17, 100, 257])

@@ -187,6 +187,13 @@ def evaluate_tokens(model, tokens, tokenizer, characters: int, n_bytes: int, run
     nats, count = evaluate_predictions(model, tokens, runtime, protocol, rank, world)
     if reduce is not None:
         nats, count = reduce([nats, float(count)])
+    return split_score(nats, count, tokens, tokenizer, characters, n_bytes)
+
+
+def split_score(nats: float, count: int, tokens, tokenizer, characters: int, n_bytes: int) -> Score:
+    """The Score of `count` predictions (all, or a sample) of a split's `tokens` whose text
+    has `characters` characters and `n_bytes` bytes: the first token's are not predicted,
+    and a sample counts its share of the rest."""
     first = tokenizer.decode([int(tokens[0])]) if len(tokens) else ""
     characters = max(characters - len(first), 0)
     n_bytes = max(n_bytes - len(first.encode("utf-8", "replace")), 0)

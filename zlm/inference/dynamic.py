@@ -6,7 +6,7 @@ private trainable copy of a loaded model and its update rule) and
 `zlm.core.eval_protocol.evaluate_predictions` behind `zlm eval --dynamic`. `zlm compress --adapt`
 (`zlm.inference.compress`) drives the same adapter, so both apply the same update.
 `DynamicConfig` (--dynamic-lr, --dynamic-decay, --segment) and its defaults live in the
-torch-free `zlm.inference.dynamic_config`, so --help shows them at once; re-exported here.
+torch-free `zlm.inference.adapt_config`, so --help shows them at once; re-exported here.
 
 The text is cut into S parallel streams exactly as the static protocol cuts it, and read
 in segments of N tokens (state carried, never reset). For each segment: predict all of
@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from zlm.core.eval_protocol import EvalProtocol, _windows
-from zlm.inference.dynamic_config import (  # noqa: F401 (the defaults, re-exported)
+from zlm.inference.adapt_config import (  # noqa: F401 (the defaults, re-exported)
     DEFAULT_DECAY,
     DEFAULT_LR,
     DEFAULT_SEGMENT,

@@ -13,50 +13,53 @@ from pathlib import Path
 
 import numpy as np
 
-from zlm.core.eval_protocol import EvalProtocol, evaluate_predictions, evaluate_tokens
+from zlm.core.eval_protocol import EvalProtocol, evaluate_predictions, evaluate_tokens, split_score
 from zlm.core.metrics import Score
 from zlm.data.dataset import Dataset
 from zlm.data.tokenizers import check_unknown, context_ids
 from zlm.errors import DataError, UsageError, require_file
+from zlm.inference.adapt_config import CacheConfig
+from zlm.inference.cache import cache_score_predictions
 from zlm.inference.dynamic import DynamicConfig, dynamic_score_predictions
 from zlm.inference.load import load_model
 
 
 def evaluate_text(lm, text: str, protocol: EvalProtocol = EvalProtocol(1),
-               unknown: str = "error", dynamic: DynamicConfig | None = None) -> Score:
+               unknown: str = "error", adapt: DynamicConfig | CacheConfig | None = None) -> Score:
     """Score every character of `text`, preceded by one newline token as context.
 
     lm: a `zlm.inference.load.LoadedModel`. Characters outside a char vocabulary raise
     DataError naming the first one and its position, or map to U+FFFD with
-    unknown="replace" (byte and sentencepiece tokenizers never fail). dynamic: score
-    with dynamic evaluation (`zlm.inference.dynamic`) instead of the fixed weights.
+    unknown="replace" (byte and sentencepiece tokenizers never fail). adapt: score with
+    dynamic evaluation (`zlm.inference.dynamic`) or the continuous cache
+    (`zlm.inference.cache`) instead of the fixed weights alone.
     """
     ids = lm.tokenizer.encode(text, unknown=unknown)  # (N,) int64
     ctx = context_ids(lm.tokenizer)
     if ctx is None:  # no newline in the vocabulary: the first token is the context
         return _evaluate_tokens(lm, ids, lm.tokenizer, len(text), len(text.encode("utf-8")),
-                             protocol, dynamic)
+                             protocol, adapt)
     tokens = np.concatenate([ctx[-1:], ids])  # (N+1,)
-    nats, count = _predict(lm, tokens, protocol, dynamic)
+    nats, count = _predict(lm, tokens, protocol, adapt)
     return Score(nats=float(nats), tokens=int(count), characters=len(text),
                  bytes=len(text.encode("utf-8")))
 
 
-def _predict(lm, tokens, protocol: EvalProtocol, dynamic: DynamicConfig | None):
-    if dynamic is None:
+def _predict(lm, tokens, protocol: EvalProtocol, adapt: DynamicConfig | CacheConfig | None):
+    if adapt is None:
         return evaluate_predictions(lm.model, tokens, lm.runtime, protocol)
-    return dynamic_score_predictions(lm.model, tokens, lm.runtime, protocol, dynamic)
+    if isinstance(adapt, CacheConfig):
+        return cache_score_predictions(lm.model, tokens, lm.runtime, protocol, adapt)
+    return dynamic_score_predictions(lm.model, tokens, lm.runtime, protocol, adapt)
 
 
 def _evaluate_tokens(lm, tokens, tokenizer, characters: int, n_bytes: int,
-                  protocol: EvalProtocol, dynamic: DynamicConfig | None) -> Score:
-    """`evaluate_tokens` (the first token is context only), static or dynamic."""
-    if dynamic is None:
+                  protocol: EvalProtocol, adapt: DynamicConfig | CacheConfig | None) -> Score:
+    """`evaluate_tokens` (the first token is context only), static, dynamic or cached."""
+    if adapt is None:
         return evaluate_tokens(lm.model, tokens, tokenizer, characters, n_bytes, lm.runtime, protocol)
-    nats, count = _predict(lm, tokens, protocol, dynamic)
-    first = tokenizer.decode([int(tokens[0])]) if len(tokens) else ""
-    return Score(nats=float(nats), tokens=int(count), characters=max(characters - len(first), 0),
-                 bytes=max(n_bytes - len(first.encode("utf-8", "replace")), 0))
+    nats, count = _predict(lm, tokens, protocol, adapt)
+    return split_score(nats, count, tokens, tokenizer, characters, n_bytes)
 
 
 def open_training_data(lm):
@@ -77,12 +80,12 @@ def open_training_data(lm):
 
 
 def evaluate_split(lm, split: str, protocol: EvalProtocol = EvalProtocol(),
-                     dynamic: DynamicConfig | None = None) -> Score:
+                     adapt: DynamicConfig | CacheConfig | None = None) -> Score:
     """Score a split of the training DATA_DIR (its first token is context only)."""
     data = open_training_data(lm)
     info = data.split_info(split)
     return _evaluate_tokens(lm, data.tokens(split), data.tokenizer, info.characters, info.bytes,
-                         protocol, dynamic)
+                         protocol, adapt)
 
 
 # ------------------------------------------------------------------------- zlm eval
@@ -103,11 +106,14 @@ class EvalConfig:
     precision: str = "fp32"  # exact by default; auto/bf16/fp16 autocast the forward pass
     cell: str = "auto"  # auto | fused | reference
     dynamic: DynamicConfig | None = None  # --dynamic: also score with dynamic evaluation
+    cache: CacheConfig | None = None  # --cache: also score with the continuous cache
     sample: int = 0  # --eval-tokens: score at most this many predictions, spread over the text (0: all)
 
     def __post_init__(self):
         if self.dynamic is not None and self.precision != "fp32":
             raise UsageError("--dynamic runs in fp32; drop --precision")
+        if self.dynamic is not None and self.cache is not None:
+            raise UsageError("pass one of --dynamic or --cache, not both")
         if self.dynamic is not None and self.sample:
             raise UsageError("--dynamic adapts to all the text before each segment; drop --eval-tokens")
         if (self.split is None) == (self.file is None):
@@ -134,8 +140,9 @@ class EvalResult:
     seconds: float
     split: str | None = None
     file: str | None = None
-    static: Score | None = None  # with --dynamic: the fixed-weight score under the same streams
+    static: Score | None = None  # with --dynamic or --cache: the plain score under the same streams
     dynamic: DynamicConfig | None = None
+    cache: CacheConfig | None = None
 
     @property
     def chars_per_s(self) -> float:
@@ -151,6 +158,7 @@ class EvalResult:
             "checkpoint": self.checkpoint, "tokenizer": self.tokenizer, "split": self.split,
             "file": self.file,
             "dynamic": None if self.dynamic is None else self.dynamic.to_dict(),
+            "cache": None if self.cache is None else self.cache.to_dict(),
             "static_bpc": None if self.static is None else self.static.bpc,
             "static_bits_per_byte": None if self.static is None else self.static.bits_per_byte,
         }
@@ -168,35 +176,36 @@ def read_text_file(path: Path) -> str:
 
 
 def evaluate_loaded(lm, config: EvalConfig) -> EvalResult:
-    """Score `config`'s split or file with a loaded `LanguageModel`."""
-    protocol, dyn = config.protocol, config.dynamic
-    if dyn is not None:  # static and dynamic scored over the same segments as windows
-        protocol = EvalProtocol(config.streams, dyn.segment)
+    """Score `config`'s split or file with a loaded `LanguageModel`; with --dynamic or
+    --cache, the plain score first, over the same streams and windows."""
+    protocol, adapt = config.protocol, config.dynamic or config.cache
+    if config.dynamic is not None:  # static and dynamic scored over the same segments as windows
+        protocol = EvalProtocol(config.streams, config.dynamic.segment)
     static = None
-    t0 = time.perf_counter()
     if config.file is not None:
         text = read_text_file(config.file)
-        if dyn is not None:
+        if adapt is not None:
             static = evaluate_text(lm, text, protocol, config.unknown)
-            t0 = time.perf_counter()
-        score = evaluate_text(lm, text, protocol, config.unknown, dyn)
+        t0 = time.perf_counter()
+        score = evaluate_text(lm, text, protocol, config.unknown, adapt)
         source, context = str(config.file), "the text is preceded by one newline as context"
     else:
-        if dyn is not None:
+        if adapt is not None:
             static = evaluate_split(lm, config.split, protocol)
-            t0 = time.perf_counter()
-        score = evaluate_split(lm, config.split, protocol, dyn)
+        t0 = time.perf_counter()
+        score = evaluate_split(lm, config.split, protocol, adapt)
         source = f"{config.split} split of {lm.data_path}"
         context = "the split's first token is context"
-    seconds = time.perf_counter() - t0  # of the reported (dynamic, if asked) score only
-    if dyn is not None:
-        context = f"{context}; {dyn.describe()}"
+    seconds = time.perf_counter() - t0  # of the reported (dynamic or cached, if asked) score only
+    if adapt is not None:
+        context = f"{context}; {adapt.describe()}"
     if config.sample:
         context = (f"{context}; --eval-tokens {config.sample:,}: each stream scores the first piece of its "
                    "stretch, spread over the text (the whole text when it has no more)")
     return EvalResult(score, protocol.describe(score.tokens, context), source, str(lm.path),
                       lm.tokenizer.kind, seconds, config.split,
-                      None if config.file is None else str(config.file), static, dyn)
+                      None if config.file is None else str(config.file), static, config.dynamic,
+                      config.cache)
 
 
 def evaluate(path, config: EvalConfig = EvalConfig()) -> EvalResult:

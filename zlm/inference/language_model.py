@@ -3,6 +3,7 @@
     lm = zlm.load("runs/shakespeare")          # RUN_DIR (best/, else latest) or checkpoint
     lm.evaluate_text("To be, or not to be")    # -> zlm.core.metrics.Score (bpc, perplexity, ...)
     lm.evaluate_split("test")                  # the split of the DATA_DIR it was trained on
+    lm.evaluate_split("test", cache=True)      # ... with the continuous cache (zlm eval --cache)
     lm.sample(prime="ROMEO:", length=200, temperature=0.8, seed=1)   # -> str
 
 The commands call the same library functions (`zlm.inference.evaluate`, `.sample`).
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 from zlm.core.eval_protocol import EvalProtocol
 from zlm.core.metrics import Score
+from zlm.inference.adapt_config import CacheConfig
 from zlm.inference.evaluate import evaluate_split, evaluate_text
 from zlm.inference.load import LoadedModel, load_model
 from zlm.inference.sample import Sample, SampleConfig, generate, sample_text
@@ -21,17 +23,19 @@ class LanguageModel(LoadedModel):
     """A loaded checkpoint (`LoadedModel`) with the methods users call."""
 
     def evaluate_text(self, text: str, *, streams: int = 1, bptt: int = 256,
-                      unknown: str = "error") -> Score:
+                      unknown: str = "error", cache: bool | CacheConfig = False) -> Score:
         """BPC of `text` (every character predicted; a newline is the context).
 
-        One stream by default: a short text is best scored from one cold start.
+        One stream by default: a short text is best scored from one cold start. cache: True
+        or a `CacheConfig` scores with the continuous cache (`zlm eval --cache`).
         """
-        return evaluate_text(self, text, EvalProtocol(streams, bptt), unknown)
+        return evaluate_text(self, text, EvalProtocol(streams, bptt), unknown, _cache(cache))
 
     def evaluate_split(self, split: str = "valid", *, streams: int = 16,
-                       bptt: int = 256) -> Score:
-        """BPC of a split of the training DATA_DIR (the protocol `zlm train` validates with)."""
-        return evaluate_split(self, split, EvalProtocol(streams, bptt))
+                       bptt: int = 256, cache: bool | CacheConfig = False) -> Score:
+        """BPC of a split of the training DATA_DIR (the protocol `zlm train` validates with);
+        cache as for `evaluate_text`."""
+        return evaluate_split(self, split, EvalProtocol(streams, bptt), _cache(cache))
 
     def sample(self, prime: str = "", length: int = 200, *, temperature: float = 1.0,
                top_k: int | None = None, top_p: float | None = None,
@@ -44,6 +48,10 @@ class LanguageModel(LoadedModel):
         """`num_samples` continuations generated as one batch -> list of `Sample`."""
         return generate(self, SampleConfig(length=length, prime=prime, num_samples=num_samples,
                                            **options))
+
+
+def _cache(cache: bool | CacheConfig) -> CacheConfig | None:
+    return cache if isinstance(cache, CacheConfig) else CacheConfig() if cache else None
 
 
 def load(path, device: str = "auto", precision: str = "fp32", cell: str = "auto") -> LanguageModel:

@@ -1,0 +1,150 @@
+"""The continuous cache: the batched memory against its readable reference, the switching
+share against its definition and its bound, the scorer against the static protocol."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import shakespeare_text
+from zlm.core.eval_protocol import EvalProtocol, evaluate_predictions
+from zlm.core.precision import resolve_runtime
+from zlm.data.tokenizers import CharTokenizer
+from zlm.errors import UsageError
+from zlm.inference.adapt_config import CACHE_LAMBDAS, CACHE_SWITCH_RATE, CacheConfig
+from zlm.inference.cache import (
+    ContinuousCache,
+    SwitchingShare,
+    cache_probability_reference,
+    cache_score_predictions,
+    mix,
+)
+from zlm.model.lm import ModelConfig, ZoneoutLM
+
+CPU = resolve_runtime("cpu", "fp32")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def model():
+    tok = CharTokenizer(shakespeare_text(5000))
+    torch.manual_seed(0)
+    m = ZoneoutLM(ModelConfig(vocab_size=tok.vocab_size, hidden=24, embed=8)).eval()
+    m.requires_grad_(False)
+    return m, tok
+
+
+@pytest.mark.parametrize("size,windows", [(5, [7, 7, 3]), (50, [16, 1, 30]), (9, [4, 4, 4, 4, 4])])
+def test_windows_of_the_batched_memory_equal_the_reference(size, windows):
+    """Any window lengths, memories shorter or longer than a window: each stream's p_cache
+    is the reference's, position by position (fp32 against float64: 1e-5)."""
+    torch.manual_seed(1)
+    B, H, N = 3, 6, sum(windows)
+    h = torch.randn(N, B, H)
+    targets = torch.randint(0, 4, (N, B))  # few tokens, so the cache often holds the target
+    config = CacheConfig(size, 0.7)
+    cache = ContinuousCache(B, H, config, "cpu")
+    got, seen, at = [], [], 0
+    for T in windows:
+        p, r = cache.probability(h[at:at + T], targets[at:at + T])
+        got.append(p)
+        seen.append(r)
+        at += T
+    got, seen = torch.cat(got), torch.cat(seen)
+    for b in range(B):
+        ref = cache_probability_reference(h[:, b], targets[:, b], config)
+        assert not seen[0, b] and bool(seen[1:, b].all())
+        torch.testing.assert_close(got[1:, b].double(), ref[1:], atol=1e-5, rtol=0)
+        assert 0.1 < float(ref[1:].mean()) < 0.9  # the targets are in the cache often, not always
+
+
+def test_the_switching_share_is_its_definition_and_within_its_bound():
+    """By hand, per stream: the weights are the posterior over the shares, then `rate` of
+    them spread evenly. Its total is at most the best fixed share's plus log K + (n-1)
+    log 1/(1-rate), and on a text whose best share changes half way it beats every
+    fixed share."""
+    torch.manual_seed(2)
+    T, B = 400, 2
+    log_p = -torch.rand(T, B) * 4
+    p_cache = torch.rand(T, B)
+    p_cache[: T // 2] *= 0.02  # the cache useless first, then good
+    p_cache[T // 2:] = 0.9 + 0.1 * p_cache[T // 2:]
+    seen = torch.ones(T, B, dtype=torch.bool)
+    seen[0] = False
+    sw = SwitchingShare(B, "cpu")
+    got = torch.cat([sw.score(log_p[:150], p_cache[:150], seen[:150]),
+                     sw.score(log_p[150:], p_cache[150:], seen[150:])])
+    K, rate = len(CACHE_LAMBDAS), CACHE_SWITCH_RATE
+    for b in range(B):
+        w = [1 / K] * K
+        for t in range(T):
+            each = [math.exp(float(log_p[t, b])) if not seen[t, b] else
+                    (1 - lam) * math.exp(float(log_p[t, b])) + lam * float(p_cache[t, b])
+                    for lam in CACHE_LAMBDAS]
+            p = sum(wk * ek for wk, ek in zip(w, each, strict=True))
+            assert float(got[t, b]) == pytest.approx(math.log(p), abs=1e-9)
+            w = [(1 - rate) * wk * ek / p + rate / K for wk, ek in zip(w, each, strict=True)]
+    fixed = mix(log_p, p_cache, seen, torch.tensor(CACHE_LAMBDAS)).sum(0)  # (B, K)
+    bound = math.log(K) + (T - 1) * -math.log1p(-rate)
+    assert bool((got.sum(0) >= fixed.max(-1).values - bound).all())
+    assert bool((got.sum(0) > fixed.max(-1).values).all())
+
+
+def test_a_fixed_share_of_zero_is_the_static_score_and_windows_do_not_matter(model):
+    m, tok = model
+    tokens = tok.encode(shakespeare_text(3_001)[1000:])
+    static, n = evaluate_predictions(m, tokens, CPU, EvalProtocol(3, 40))
+    zero, k = cache_score_predictions(m, tokens, CPU, EvalProtocol(3, 40), CacheConfig(100, 0.5, 0.0))
+    assert k == n and zero == pytest.approx(static, rel=1e-6)
+    a, _ = cache_score_predictions(m, tokens, CPU, EvalProtocol(3, 40), CacheConfig(100))
+    b, _ = cache_score_predictions(m, tokens, CPU, EvalProtocol(3, 17), CacheConfig(100))
+    assert a == pytest.approx(b, rel=1e-6)
+
+
+def test_the_tail_continues_the_last_stream_and_a_sample_counts_its_share(model):
+    m, tok = model
+    tokens = tok.encode(shakespeare_text(1_000))[:611]  # 610 predictions: 4 x 152 and a tail of 2
+    _, n = evaluate_predictions(m, tokens, CPU, EvalProtocol(4, 50))
+    total, k = cache_score_predictions(m, tokens, CPU, EvalProtocol(4, 50), CacheConfig(64))
+    assert k == n == 610 and math.isfinite(total)
+    _, ns = evaluate_predictions(m, tokens, CPU, EvalProtocol(4, 50, sample=100))
+    _, ks = cache_score_predictions(m, tokens, CPU, EvalProtocol(4, 50, sample=100), CacheConfig(64))
+    assert ks == ns == 100
+
+
+def test_a_repeated_text_is_predicted_from_the_cache(model):
+    """An untrained model cannot know a random piece of 25 tokens; after its first copy the
+    cache can: the score falls well below the static one (0.70 of it when written), and the
+    model is untouched. Its embedding is made 10 times larger, so that different contexts
+    give states as distinct as a trained model's."""
+    m, tok = model
+    m = copy.deepcopy(m)
+    with torch.no_grad():
+        m.embedding.weight.mul_(10)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    piece = np.random.default_rng(0).integers(0, tok.vocab_size, 25)
+    tokens = np.tile(piece, 24)  # (600,)
+    static, _ = evaluate_predictions(m, tokens, CPU, EvalProtocol(1, 30))
+    cached, _ = cache_score_predictions(m, tokens, CPU, EvalProtocol(1, 30), CacheConfig(200, 10.0))
+    assert cached < 0.75 * static
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_config_checks_name_the_flag():
+    for kw, flag in (({"size": 0}, "--cache-size"), ({"theta": -1.0}, "--cache-theta"),
+                     ({"theta": math.inf}, "--cache-theta"), ({"mix": 1.0}, "--cache-lambda")):
+        with pytest.raises(UsageError, match=flag):
+            CacheConfig(**kw)
+    assert "switching" in CacheConfig().describe() and "lambda 0.2" in CacheConfig(mix=0.2).describe()

@@ -1,0 +1,47 @@
+"""scripts/cache-grid: every cell of its grid is the BPC `zlm eval --cache` reports for
+the same settings (docs/inference.md, "The continuous cache")."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import shakespeare_text, train_run, write_char_dataset
+from zlm.core.config import TrainConfig
+from zlm.data.dataset import Dataset
+from zlm.model.lm import ModelConfig
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "cache-grid"
+
+
+def zlm_eval(run, *args) -> dict:
+    out = subprocess.run([sys.executable, "-m", "zlm", "eval", str(run), "--json", *args],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_each_cell_is_what_zlm_eval_reports(tmp_path):
+    data = Dataset.open(write_char_dataset(tmp_path / "data", shakespeare_text(40_000)))
+    run = tmp_path / "run"
+    train_run(run, data, ModelConfig(vocab_size=data.vocab_size, hidden=16, embed=8),
+              TrainConfig(batch_size=4, bptt=16, max_steps=10, eval_every=10, log_every=100))
+    out = subprocess.run([sys.executable, str(SCRIPT), str(run), "--sizes", "60", "--thetas", "0.5,2",
+                          "--rates", "0.03", "--lambdas", "0.1,0.3"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if line.startswith("size ")]
+    assert len(rows) == 2
+    for row, theta in zip(rows, ("0.5", "2"), strict=True):
+        static, lam1, lam3, switching = map(float, re.findall(r"\d+\.\d{4}", row))
+        assert row.startswith(f"size 60 theta {theta}:")
+        cached = zlm_eval(run, "--cache", "--cache-size", "60", "--cache-theta", theta)
+        assert switching == pytest.approx(cached["bpc"], abs=1e-4)
+        assert static == pytest.approx(cached["static_bpc"], abs=1e-4)
+        fixed = zlm_eval(run, "--cache", "--cache-size", "60", "--cache-theta", theta, "--cache-lambda", "0.3")
+        assert lam3 == pytest.approx(fixed["bpc"], abs=1e-4) and lam1 != lam3
