@@ -42,8 +42,8 @@ def command(
         show_default=False)] = None,
     batch_size: Annotated[int | None, typer.Option(
         help="Parallel streams the text is cut into (each starts from a zero state) "
-             "\\[default: 16; 1 with --dynamic, as Krause et al.: one stream adapts to all "
-             "the text before it].", show_default=False)] = None,
+             "\\[default: 16; 1 with --dynamic or --cache: one stream adapts to, or "
+             "remembers, all the text before it].", show_default=False)] = None,
     bptt: Annotated[int, typer.Option(
         help="Window length in tokens; the state is carried across windows.")] = 256,
     device: Annotated[str, typer.Option(help="auto | cpu | cuda.")] = "auto",
@@ -88,7 +88,7 @@ def command(
     dyn = DynamicConfig(dynamic_lr, dynamic_decay, segment) if dynamic else None
     cached = CacheConfig(cache_size, cache_theta, cache_lambda) if cache else None
     config = EvalConfig(split=None if file is not None else (split or "valid"), file=file,
-                        streams=(1 if dynamic else 16) if batch_size is None else batch_size,
+                        streams=(1 if dynamic or cache else 16) if batch_size is None else batch_size,
                         bptt=bptt, unknown=unknown, device=device, dynamic=dyn, cache=cached,
                         sample=eval_tokens)
     result = evaluate(run, config)

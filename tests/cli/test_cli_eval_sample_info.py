@@ -92,9 +92,10 @@ def test_eval_with_the_cache(run, tmp_path):
     assert fixed["bpc"] == pytest.approx(plain["bpc"], rel=1e-6) and fixed["cache"]["mix"] == 0
     text = ok("eval", run, "--cache", "--cache-size", "100").stdout
     assert "(with the cache)" in text and "the cache gains" in text
+    assert "protocol: 1 parallel streams" in text  # --cache, like --dynamic: one stream by default
     f = tmp_path / "t.txt"
     f.write_text("First Citizen:\nSpeak, speak.\n" * 3, encoding="utf-8")
-    out = json.loads(ok("eval", run, "--file", f, "--cache", "--batch-size", "1", "--json").stdout)
+    out = json.loads(ok("eval", run, "--file", f, "--cache", "--json").stdout)
     assert out["characters"] == 87 and out["bpc"] < out["static_bpc"]
     for args, message in ((["--cache", "--dynamic"], "not both"),
                           (["--cache", "--cache-lambda", "1"], "--cache-lambda must be in [0, 1)"),

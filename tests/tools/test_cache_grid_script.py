@@ -40,8 +40,9 @@ def test_each_cell_is_what_zlm_eval_reports(tmp_path):
     for row, theta in zip(rows, ("0.5", "2"), strict=True):
         static, lam1, lam3, switching = map(float, re.findall(r"\d+\.\d{4}", row))
         assert row.startswith(f"size 60 theta {theta}:")
-        cached = zlm_eval(run, "--cache", "--cache-size", "60", "--cache-theta", theta)
+        cached = zlm_eval(run, "--cache", "--batch-size", "16", "--cache-size", "60", "--cache-theta", theta)
         assert switching == pytest.approx(cached["bpc"], abs=1e-4)
         assert static == pytest.approx(cached["static_bpc"], abs=1e-4)
-        fixed = zlm_eval(run, "--cache", "--cache-size", "60", "--cache-theta", theta, "--cache-lambda", "0.3")
+        fixed = zlm_eval(run, "--cache", "--batch-size", "16", "--cache-size", "60", "--cache-theta", theta,
+                         "--cache-lambda", "0.3")
         assert lam3 == pytest.approx(fixed["bpc"], abs=1e-4) and lam1 != lam3
