@@ -100,11 +100,14 @@ def command(
 
 def _rows(r: EvalResult) -> list[tuple[str, str]]:
     s = r.score
-    how = "dynamic" if r.dynamic else "the cache" if r.cache else ""
-    rows = [("BPC", f"{s.bpc:.4f} bits/character" + (f" ({'with ' if r.cache else ''}{how})" if how else ""))]
+    how, what = {(True, False): ("dynamic", "dynamic evaluation"),
+                 (False, True): ("with the cache", "the cache"),
+                 (True, True): ("dynamic, with the cache", "dynamic evaluation with the cache"),
+                 }.get((r.dynamic is not None, r.cache is not None), ("", ""))
+    rows = [("BPC", f"{s.bpc:.4f} bits/character" + (f" ({how})" if how else ""))]
     if r.static is not None:
         gain = r.static.bpc - s.bpc
-        rows.append(("static BPC", f"{r.static.bpc:.4f} bits/character ({how} gains {gain:+.4f})"))
+        rows.append(("static BPC", f"{r.static.bpc:.4f} bits/character ({what} gains {gain:+.4f})"))
     rows.append(("characters", f"{s.characters:,}"))
     if s.bytes != s.characters:
         rows.append(("bits per byte", f"{s.bits_per_byte:.4f} bits/byte over {s.bytes:,} bytes"))

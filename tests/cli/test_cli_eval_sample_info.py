@@ -97,8 +97,12 @@ def test_eval_with_the_cache(run, tmp_path):
     f.write_text("First Citizen:\nSpeak, speak.\n" * 3, encoding="utf-8")
     out = json.loads(ok("eval", run, "--file", f, "--cache", "--json").stdout)
     assert out["characters"] == 87 and out["bpc"] < out["static_bpc"]
-    for args, message in ((["--cache", "--dynamic"], "not both"),
-                          (["--cache", "--cache-lambda", "1"], "--cache-lambda must be in [0, 1)"),
+    both = json.loads(ok("eval", run, "--cache", "--dynamic", "--json").stdout)
+    alone = json.loads(ok("eval", run, "--dynamic", "--json").stdout)
+    assert both["dynamic"] == alone["dynamic"] and both["cache"]["size"] == 2000
+    assert both["static_bpc"] == alone["static_bpc"] and both["bpc"] != alone["bpc"]
+    assert "dynamic evaluation" in both["protocol"] and "continuous cache" in both["protocol"]
+    for args, message in ((["--cache", "--cache-lambda", "1"], "--cache-lambda must be in [0, 1)"),
                           (["--cache", "--cache-size", "0"], "--cache-size must be >= 1")):
         res = runner.invoke(app, ["eval", str(run), *args])
         assert res.exit_code == 2 and message in res.output, res.output

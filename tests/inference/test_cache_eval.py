@@ -17,12 +17,14 @@ from zlm.data.tokenizers import CharTokenizer
 from zlm.errors import UsageError
 from zlm.inference.adapt_config import CACHE_LAMBDAS, CACHE_SWITCH_RATE, CacheConfig
 from zlm.inference.cache import (
+    CacheScorer,
     ContinuousCache,
     SwitchingShare,
     cache_probability_reference,
     cache_score_predictions,
     mix,
 )
+from zlm.inference.dynamic import DynamicAdapter, DynamicConfig, dynamic_score_predictions
 from zlm.model.lm import ModelConfig, ZoneoutLM
 
 CPU = resolve_runtime("cpu", "fp32")
@@ -140,6 +142,34 @@ def test_a_repeated_text_is_predicted_from_the_cache(model):
     assert cached < 0.75 * static
     for k, v in m.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+def test_dynamic_evaluation_with_the_cache(model):
+    """--dynamic --cache: segment by segment, the cache mixes with the adapting model's
+    predictions (checked by hand over two segments); with a share of 0 it is dynamic
+    evaluation alone; on a repeated text it beats dynamic evaluation alone."""
+    m, tok = model
+    tokens = tok.encode(shakespeare_text(200))[:81]
+    dyn, cfg = DynamicConfig(1e-2, 1e-2, 40), CacheConfig(30, 2.0)
+    total, n = dynamic_score_predictions(m, tokens, CPU, EvalProtocol(1, 40), dyn, cfg)
+    ad, scorer = DynamicAdapter(m, dyn), CacheScorer(1, 24, cfg, "cpu")  # by hand
+    x = torch.from_numpy(tokens.astype(np.int64))[:, None]  # (81, 1)
+    first, state = ad.score(x[:40], x[1:41], None, 40, scorer)
+    with torch.no_grad():
+        nll, h, _ = ad.forward_features(x[40:80], x[41:81], state)
+    second = scorer(h, -nll, x[41:81])
+    assert n == 80 and total == pytest.approx(first + second, rel=1e-6)
+    alone, _ = dynamic_score_predictions(m, tokens, CPU, EvalProtocol(1, 40), dyn)
+    zero, _ = dynamic_score_predictions(m, tokens, CPU, EvalProtocol(1, 40), dyn, CacheConfig(30, 2.0, 0.0))
+    assert zero == pytest.approx(alone, rel=1e-9) and total != alone
+    big = copy.deepcopy(m)
+    with torch.no_grad():
+        big.embedding.weight.mul_(10)
+    piece = np.tile(np.random.default_rng(0).integers(0, tok.vocab_size, 25), 24)
+    alone, _ = dynamic_score_predictions(big, piece, CPU, EvalProtocol(1, 30), DynamicConfig(1e-2, 1e-3, 30))
+    both, _ = dynamic_score_predictions(big, piece, CPU, EvalProtocol(1, 30), DynamicConfig(1e-2, 1e-3, 30),
+                                        CacheConfig(200, 10.0))
+    assert both < 0.97 * alone  # 0.94 of it when written
 
 
 def test_config_checks_name_the_flag():

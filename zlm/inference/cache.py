@@ -131,6 +131,32 @@ class SwitchingShare:
         return out
 
 
+class CacheScorer:
+    """A set of streams' memory and share: the cached nats of each window they score, from
+    the model's log-probabilities and the states the decoder read (`zlm eval --cache`, and
+    with `--dynamic` the adapting model's)."""
+
+    def __init__(self, streams: int, hidden: int, config: CacheConfig, device):
+        self.config = config
+        self.cache = ContinuousCache(streams, hidden, config, device)
+        self.switching = SwitchingShare(streams, device) if config.mix is None else None
+
+    def nats(self, log_p: Tensor, p_cache: Tensor, remembered: Tensor) -> float:
+        """Summed -log p(target) under the mixture, from `ContinuousCache.probability`'s parts."""
+        if self.switching is None:
+            return -float(mix(log_p, p_cache, remembered, self.config.mix).sum())
+        return -float(self.switching.score(log_p, p_cache, remembered).sum())
+
+    def __call__(self, h: Tensor, log_p: Tensor, targets: Tensor) -> float:
+        """h (T, B, H) the window's states, log p_model(target) (T, B) -> summed cached nats;
+        then remembers the window."""
+        return self.nats(log_p, *self.cache.probability(h, targets))
+
+    def keep_last(self) -> None:
+        """Only the last stream goes on (the text's tail)."""
+        self.cache.keep_last()
+
+
 def token_log_probs(decoder, x: Tensor, targets: Tensor, block: int | None = NLL_BLOCK) -> Tensor:
     """log p_model(target) per position, (T, B) fp32, from the decoder's input x (T, B, H)
     over blocks of rows of at most `block` logits (`zlm.model.lm.blocked_nll`'s blocks)."""
@@ -187,12 +213,9 @@ def cache_score_predictions(model: ZoneoutLM, tokens: np.ndarray, runtime: Runti
                             protocol: EvalProtocol, config: CacheConfig) -> tuple[float, int]:
     """Cached counterpart of `evaluate_predictions` (one process): summed nats over the
     predictions `cache_parts` scores, and their count."""
-    switching = SwitchingShare(protocol.streams_for(len(tokens) - 1), runtime.device)
+    scorer = CacheScorer(protocol.streams_for(len(tokens) - 1), model.config.hidden, config, runtime.device)
     nats, count = 0.0, 0
     for log_p, p_cache, remembered in cache_parts(model, tokens, runtime, protocol, config):
-        if config.mix is None:
-            nats -= float(switching.score(log_p, p_cache, remembered).sum())
-        else:
-            nats -= float(mix(log_p, p_cache, remembered, config.mix).sum())
+        nats += scorer.nats(log_p, p_cache, remembered)
         count += log_p.numel()
     return nats, count

@@ -7,6 +7,9 @@ private trainable copy of a loaded model and its update rule) and
 (`zlm.inference.compress`) drives the same adapter, so both apply the same update.
 `DynamicConfig` (--dynamic-lr, --dynamic-decay, --segment) and its defaults live in the
 torch-free `zlm.inference.adapt_config`, so --help shows them at once; re-exported here.
+With `--cache` too, each segment's predictions are mixed with the continuous cache
+(`zlm.inference.cache.CacheScorer`) of the adapting model's states before they are scored;
+the update still follows the model's own loss.
 
 The text is cut into S parallel streams exactly as the static protocol cuts it, and read
 in segments of N tokens (state carried, never reset). For each segment: predict all of
@@ -47,8 +50,10 @@ from zlm.inference.adapt_config import (  # noqa: F401 (the defaults, re-exporte
     DEFAULT_DECAY,
     DEFAULT_LR,
     DEFAULT_SEGMENT,
+    CacheConfig,
     DynamicConfig,
 )
+from zlm.inference.cache import CacheScorer
 from zlm.model.lm import ZoneoutLM
 
 EPS = 1e-8  # added to rms in the step's denominator
@@ -70,12 +75,18 @@ class DynamicAdapter:
     def forward(self, inputs: Tensor, targets: Tensor, state) -> tuple[Tensor, tuple]:
         """inputs/targets: (T, B) int64 (targets -100: not scored) -> per-token nats (T, B)
         with a graph to the weights, and the final state (detached)."""
+        nll, _, state = self.forward_features(inputs, targets, state)
+        return nll, state
+
+    def forward_features(self, inputs: Tensor, targets: Tensor, state) -> tuple[Tensor, Tensor, tuple]:
+        """`forward`, and the states the decoder read (T, B, H), detached."""
         if state is not None:
             state = (state[0].detach(), state[1].detach())
-        logits, new_state = self.model(inputs, state)  # (T, B, V)
+        x, new_state = self.model.features(inputs, state)
+        logits = self.model.decoder(x)  # (T, B, V)
         nll = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
                               reduction="none", ignore_index=-100).view_as(targets)  # (T, B)
-        return nll, (new_state[0].detach(), new_state[1].detach())
+        return nll, x.detach(), (new_state[0].detach(), new_state[1].detach())
 
     def step(self, nll: Tensor, count: int) -> None:
         """One update from the mean of `nll` over its `count` scored tokens."""
@@ -104,21 +115,27 @@ class DynamicAdapter:
             if pull is not None:
                 p.add_(pull)
 
-    def score(self, inputs: Tensor, targets: Tensor, state, count: int) -> tuple[float, tuple]:
-        """Predict a segment (its summed nats) with the current weights, then learn from it."""
+    def score(self, inputs: Tensor, targets: Tensor, state, count: int,
+              cache: CacheScorer | None = None) -> tuple[float, tuple]:
+        """Predict a segment (its summed nats) with the current weights, then learn from it.
+        cache: the segment's score is the cache's mixture with these predictions; the
+        update still follows the model's own loss."""
         with torch.enable_grad():
-            nll, state = self.forward(inputs, targets, state)
-            nats = float(nll.detach().double().sum())
+            nll, x, state = self.forward_features(inputs, targets, state)
+            log_p = -nll.detach()
+            nats = -float(log_p.double().sum()) if cache is None else cache(x, log_p, targets)
             self.step(nll, count)
         return nats, state
 
 
 def dynamic_score_predictions(model: ZoneoutLM, tokens: np.ndarray, runtime,
-                              protocol: EvalProtocol, config: DynamicConfig) -> tuple[float, int]:
+                              protocol: EvalProtocol, config: DynamicConfig,
+                              cache: CacheConfig | None = None) -> tuple[float, int]:
     """Dynamic counterpart of `evaluate_predictions`: summed nats over the N-1 predictions of
     `tokens` (N,), and their count. Same streams as the static protocol; windows are
     `config.segment` tokens (protocol.bptt is not used); the last stream's remainder is
-    scored after the parallel part, still adapting."""
+    scored after the parallel part, still adapting. cache: each prediction is also mixed
+    with the continuous cache of the adapting model's states (`zlm eval --dynamic --cache`)."""
     n = len(tokens) - 1
     if n < 1:
         return 0.0, 0
@@ -126,14 +143,17 @@ def dynamic_score_predictions(model: ZoneoutLM, tokens: np.ndarray, runtime,
     S = protocol.streams_for(n)
     L = n // S
     dev = runtime.device
+    scorer = None if cache is None else CacheScorer(S, model.config.hidden, cache, dev)
     nats, state = 0.0, None
     for inputs, targets in _windows(tokens, np.arange(S) * L, L, config.segment, dev):
-        more, state = adapter.score(inputs, targets, state, targets.numel())
+        more, state = adapter.score(inputs, targets, state, targets.numel(), scorer)
         nats += more
     tail = n - S * L
     if tail:
         state = (state[0][:, -1:].contiguous(), state[1][:, -1:].contiguous())
+        if scorer is not None:
+            scorer.keep_last()
         for inputs, targets in _windows(tokens, np.array([S * L]), tail, config.segment, dev):
-            more, state = adapter.score(inputs, targets, state, targets.numel())
+            more, state = adapter.score(inputs, targets, state, targets.numel(), scorer)
             nats += more
     return nats, n

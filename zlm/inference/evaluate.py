@@ -24,41 +24,42 @@ from zlm.inference.dynamic import DynamicConfig, dynamic_score_predictions
 from zlm.inference.load import load_model
 
 
-def evaluate_text(lm, text: str, protocol: EvalProtocol = EvalProtocol(1),
-               unknown: str = "error", adapt: DynamicConfig | CacheConfig | None = None) -> Score:
+def evaluate_text(lm, text: str, protocol: EvalProtocol = EvalProtocol(1), unknown: str = "error",
+               dynamic: DynamicConfig | None = None, cache: CacheConfig | None = None) -> Score:
     """Score every character of `text`, preceded by one newline token as context.
 
     lm: a `zlm.inference.load.LoadedModel`. Characters outside a char vocabulary raise
     DataError naming the first one and its position, or map to U+FFFD with
-    unknown="replace" (byte and sentencepiece tokenizers never fail). adapt: score with
-    dynamic evaluation (`zlm.inference.dynamic`) or the continuous cache
-    (`zlm.inference.cache`) instead of the fixed weights alone.
+    unknown="replace" (byte and sentencepiece tokenizers never fail). dynamic: score with
+    dynamic evaluation (`zlm.inference.dynamic`) instead of the fixed weights; cache: mix
+    the predictions with the continuous cache (`zlm.inference.cache`); either, or both.
     """
     ids = lm.tokenizer.encode(text, unknown=unknown)  # (N,) int64
     ctx = context_ids(lm.tokenizer)
     if ctx is None:  # no newline in the vocabulary: the first token is the context
         return _evaluate_tokens(lm, ids, lm.tokenizer, len(text), len(text.encode("utf-8")),
-                             protocol, adapt)
+                             protocol, dynamic, cache)
     tokens = np.concatenate([ctx[-1:], ids])  # (N+1,)
-    nats, count = _predict(lm, tokens, protocol, adapt)
+    nats, count = _predict(lm, tokens, protocol, dynamic, cache)
     return Score(nats=float(nats), tokens=int(count), characters=len(text),
                  bytes=len(text.encode("utf-8")))
 
 
-def _predict(lm, tokens, protocol: EvalProtocol, adapt: DynamicConfig | CacheConfig | None):
-    if adapt is None:
-        return evaluate_predictions(lm.model, tokens, lm.runtime, protocol)
-    if isinstance(adapt, CacheConfig):
-        return cache_score_predictions(lm.model, tokens, lm.runtime, protocol, adapt)
-    return dynamic_score_predictions(lm.model, tokens, lm.runtime, protocol, adapt)
+def _predict(lm, tokens, protocol: EvalProtocol, dynamic: DynamicConfig | None,
+             cache: CacheConfig | None):
+    if dynamic is not None:
+        return dynamic_score_predictions(lm.model, tokens, lm.runtime, protocol, dynamic, cache)
+    if cache is not None:
+        return cache_score_predictions(lm.model, tokens, lm.runtime, protocol, cache)
+    return evaluate_predictions(lm.model, tokens, lm.runtime, protocol)
 
 
-def _evaluate_tokens(lm, tokens, tokenizer, characters: int, n_bytes: int,
-                  protocol: EvalProtocol, adapt: DynamicConfig | CacheConfig | None) -> Score:
+def _evaluate_tokens(lm, tokens, tokenizer, characters: int, n_bytes: int, protocol: EvalProtocol,
+                  dynamic: DynamicConfig | None, cache: CacheConfig | None) -> Score:
     """`evaluate_tokens` (the first token is context only), static, dynamic or cached."""
-    if adapt is None:
+    if dynamic is None and cache is None:
         return evaluate_tokens(lm.model, tokens, tokenizer, characters, n_bytes, lm.runtime, protocol)
-    nats, count = _predict(lm, tokens, protocol, adapt)
+    nats, count = _predict(lm, tokens, protocol, dynamic, cache)
     return split_score(nats, count, tokens, tokenizer, characters, n_bytes)
 
 
@@ -80,12 +81,13 @@ def open_training_data(lm):
 
 
 def evaluate_split(lm, split: str, protocol: EvalProtocol = EvalProtocol(),
-                     adapt: DynamicConfig | CacheConfig | None = None) -> Score:
-    """Score a split of the training DATA_DIR (its first token is context only)."""
+                     dynamic: DynamicConfig | None = None, cache: CacheConfig | None = None) -> Score:
+    """Score a split of the training DATA_DIR (its first token is context only); dynamic
+    and cache as for `evaluate_text`."""
     data = open_training_data(lm)
     info = data.split_info(split)
     return _evaluate_tokens(lm, data.tokens(split), data.tokenizer, info.characters, info.bytes,
-                         protocol, adapt)
+                         protocol, dynamic, cache)
 
 
 # ------------------------------------------------------------------------- zlm eval
@@ -112,8 +114,6 @@ class EvalConfig:
     def __post_init__(self):
         if self.dynamic is not None and self.precision != "fp32":
             raise UsageError("--dynamic runs in fp32; drop --precision")
-        if self.dynamic is not None and self.cache is not None:
-            raise UsageError("pass one of --dynamic or --cache, not both")
         if self.dynamic is not None and self.sample:
             raise UsageError("--dynamic adapts to all the text before each segment; drop --eval-tokens")
         if (self.split is None) == (self.file is None):
@@ -178,34 +178,35 @@ def read_text_file(path: Path) -> str:
 def evaluate_loaded(lm, config: EvalConfig) -> EvalResult:
     """Score `config`'s split or file with a loaded `LanguageModel`; with --dynamic or
     --cache, the plain score first, over the same streams and windows."""
-    protocol, adapt = config.protocol, config.dynamic or config.cache
-    if config.dynamic is not None:  # static and dynamic scored over the same segments as windows
-        protocol = EvalProtocol(config.streams, config.dynamic.segment)
+    protocol, dyn, cache = config.protocol, config.dynamic, config.cache
+    adapt = dyn is not None or cache is not None
+    if dyn is not None:  # static and dynamic scored over the same segments as windows
+        protocol = EvalProtocol(config.streams, dyn.segment)
     static = None
     if config.file is not None:
         text = read_text_file(config.file)
-        if adapt is not None:
+        if adapt:
             static = evaluate_text(lm, text, protocol, config.unknown)
         t0 = time.perf_counter()
-        score = evaluate_text(lm, text, protocol, config.unknown, adapt)
+        score = evaluate_text(lm, text, protocol, config.unknown, dyn, cache)
         source, context = str(config.file), "the text is preceded by one newline as context"
     else:
-        if adapt is not None:
+        if adapt:
             static = evaluate_split(lm, config.split, protocol)
         t0 = time.perf_counter()
-        score = evaluate_split(lm, config.split, protocol, adapt)
+        score = evaluate_split(lm, config.split, protocol, dyn, cache)
         source = f"{config.split} split of {lm.data_path}"
         context = "the split's first token is context"
     seconds = time.perf_counter() - t0  # of the reported (dynamic or cached, if asked) score only
-    if adapt is not None:
-        context = f"{context}; {adapt.describe()}"
+    for how in (dyn, cache):
+        if how is not None:
+            context = f"{context}; {how.describe()}"
     if config.sample:
         context = (f"{context}; --eval-tokens {config.sample:,}: each stream scores the first piece of its "
                    "stretch, spread over the text (the whole text when it has no more)")
     return EvalResult(score, protocol.describe(score.tokens, context), source, str(lm.path),
                       lm.tokenizer.kind, seconds, config.split,
-                      None if config.file is None else str(config.file), static, config.dynamic,
-                      config.cache)
+                      None if config.file is None else str(config.file), static, dyn, cache)
 
 
 def evaluate(path, config: EvalConfig = EvalConfig()) -> EvalResult:

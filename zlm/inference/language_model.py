@@ -29,13 +29,13 @@ class LanguageModel(LoadedModel):
         One stream by default: a short text is best scored from one cold start. cache: True
         or a `CacheConfig` scores with the continuous cache (`zlm eval --cache`).
         """
-        return evaluate_text(self, text, EvalProtocol(streams, bptt), unknown, _cache(cache))
+        return evaluate_text(self, text, EvalProtocol(streams, bptt), unknown, cache=_cache(cache))
 
     def evaluate_split(self, split: str = "valid", *, streams: int = 16,
                        bptt: int = 256, cache: bool | CacheConfig = False) -> Score:
         """BPC of a split of the training DATA_DIR (the protocol `zlm train` validates with);
         cache as for `evaluate_text`."""
-        return evaluate_split(self, split, EvalProtocol(streams, bptt), _cache(cache))
+        return evaluate_split(self, split, EvalProtocol(streams, bptt), cache=_cache(cache))
 
     def sample(self, prime: str = "", length: int = 200, *, temperature: float = 1.0,
                top_k: int | None = None, top_p: float | None = None,
