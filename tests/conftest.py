@@ -136,6 +136,29 @@ def tiny_data(tmp_path) -> pathlib.Path:
     return write_char_dataset(tmp_path / "data", shakespeare_text(60_000))
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models: one thread is fastest, and on a shared CPU two threads can be 50x slower.
+    A module takes it with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def untrained_char_model():
+    """(model, tokenizer): an untrained 1 x 24 model over tiny Shakespeare's characters, in
+    eval mode without gradients; enough to check a scoring protocol (no training, so fast)."""
+    from zlm.model.lm import ModelConfig, ZoneoutLM
+
+    tok = CharTokenizer(shakespeare_text(5000))
+    torch.manual_seed(0)
+    model = ZoneoutLM(ModelConfig(vocab_size=tok.vocab_size, hidden=24, embed=8)).eval()
+    model.requires_grad_(False)
+    return model, tok
+
+
 # CI: a skip is a failure unless the test is marked gpu ----------------------------------
 # Locally a test may skip for what this machine lacks (a C++ compiler, triton, onnx, a
 # mount it may not make, ...). CI (CI=true; .ci/run sets it) installs everything the dev

@@ -13,7 +13,6 @@ import torch
 from conftest import shakespeare_text
 from zlm.core.eval_protocol import EvalProtocol, evaluate_predictions
 from zlm.core.precision import resolve_runtime
-from zlm.data.tokenizers import CharTokenizer
 from zlm.errors import UsageError
 from zlm.inference.adapt_config import CACHE_LAMBDAS, CACHE_SWITCH_RATE, CacheConfig
 from zlm.inference.cache import (
@@ -25,26 +24,11 @@ from zlm.inference.cache import (
     mix,
 )
 from zlm.inference.dynamic import DynamicAdapter, DynamicConfig, dynamic_score_predictions
-from zlm.model.lm import ModelConfig, ZoneoutLM
 
 CPU = resolve_runtime("cpu", "fp32")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def model():
-    tok = CharTokenizer(shakespeare_text(5000))
-    torch.manual_seed(0)
-    m = ZoneoutLM(ModelConfig(vocab_size=tok.vocab_size, hidden=24, embed=8)).eval()
-    m.requires_grad_(False)
-    return m, tok
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("size,windows", [(5, [7, 7, 3]), (50, [16, 1, 30]), (9, [4, 4, 4, 4, 4])])
@@ -103,8 +87,8 @@ def test_the_switching_share_is_its_definition_and_within_its_bound():
     assert bool((got.sum(0) > fixed.max(-1).values).all())
 
 
-def test_a_fixed_share_of_zero_is_the_static_score_and_windows_do_not_matter(model):
-    m, tok = model
+def test_a_fixed_share_of_zero_is_the_static_score_and_windows_do_not_matter(untrained_char_model):
+    m, tok = untrained_char_model
     tokens = tok.encode(shakespeare_text(3_001)[1000:])
     static, n = evaluate_predictions(m, tokens, CPU, EvalProtocol(3, 40))
     zero, k = cache_score_predictions(m, tokens, CPU, EvalProtocol(3, 40), CacheConfig(100, 0.5, 0.0))
@@ -114,8 +98,8 @@ def test_a_fixed_share_of_zero_is_the_static_score_and_windows_do_not_matter(mod
     assert a == pytest.approx(b, rel=1e-6)
 
 
-def test_the_tail_continues_the_last_stream_and_a_sample_counts_its_share(model):
-    m, tok = model
+def test_the_tail_continues_the_last_stream_and_a_sample_counts_its_share(untrained_char_model):
+    m, tok = untrained_char_model
     tokens = tok.encode(shakespeare_text(1_000))[:611]  # 610 predictions: 4 x 152 and a tail of 2
     _, n = evaluate_predictions(m, tokens, CPU, EvalProtocol(4, 50))
     total, k = cache_score_predictions(m, tokens, CPU, EvalProtocol(4, 50), CacheConfig(64))
@@ -125,12 +109,12 @@ def test_the_tail_continues_the_last_stream_and_a_sample_counts_its_share(model)
     assert ks == ns == 100
 
 
-def test_a_repeated_text_is_predicted_from_the_cache(model):
+def test_a_repeated_text_is_predicted_from_the_cache(untrained_char_model):
     """An untrained model cannot know a random piece of 25 tokens; after its first copy the
     cache can: the score falls well below the static one (0.70 of it when written), and the
     model is untouched. Its embedding is made 10 times larger, so that different contexts
     give states as distinct as a trained model's."""
-    m, tok = model
+    m, tok = untrained_char_model
     m = copy.deepcopy(m)
     with torch.no_grad():
         m.embedding.weight.mul_(10)
@@ -144,11 +128,11 @@ def test_a_repeated_text_is_predicted_from_the_cache(model):
         assert torch.equal(v, before[k]), k
 
 
-def test_dynamic_evaluation_with_the_cache(model):
+def test_dynamic_evaluation_with_the_cache(untrained_char_model):
     """--dynamic --cache: segment by segment, the cache mixes with the adapting model's
     predictions (checked by hand over two segments); with a share of 0 it is dynamic
     evaluation alone; on a repeated text it beats dynamic evaluation alone."""
-    m, tok = model
+    m, tok = untrained_char_model
     tokens = tok.encode(shakespeare_text(200))[:81]
     dyn, cfg = DynamicConfig(1e-2, 1e-2, 40), CacheConfig(30, 2.0)
     total, n = dynamic_score_predictions(m, tokens, CPU, EvalProtocol(1, 40), dyn, cfg)

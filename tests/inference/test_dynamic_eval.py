@@ -9,32 +9,21 @@ import torch
 from conftest import shakespeare_text
 from zlm.core.eval_protocol import EvalProtocol, evaluate_predictions
 from zlm.core.precision import resolve_runtime
-from zlm.data.tokenizers import CharTokenizer
 from zlm.errors import UsageError
 from zlm.inference.dynamic import DynamicAdapter, DynamicConfig, dynamic_score_predictions
 from zlm.inference.load import LoadedModel
 from zlm.model.cells import choose_cell
-from zlm.model.lm import ModelConfig, ZoneoutLM
 
 CPU = resolve_runtime("cpu", "fp32")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one thread is fastest, and on a shared CPU two threads can be 50x slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def lm(tmp_path_factory):
+def lm(tmp_path_factory, untrained_char_model):
     """An untrained model: enough to check the protocol (no training, so fast)."""
-    tok = CharTokenizer(shakespeare_text(5000))
-    torch.manual_seed(0)
-    model = ZoneoutLM(ModelConfig(vocab_size=tok.vocab_size, hidden=24, embed=8)).eval()
-    model.requires_grad_(False)
+    model, tok = untrained_char_model
     path = tmp_path_factory.mktemp("dyn")
     tok.save(path)
     return LoadedModel(model, tok, CPU, path, {}, choose_cell("auto", "cpu"))
