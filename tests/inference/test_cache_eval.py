@@ -24,6 +24,7 @@ from zlm.inference.cache import (
     mix,
 )
 from zlm.inference.dynamic import DynamicAdapter, DynamicConfig, dynamic_score_predictions
+from zlm.model.lm import ModelConfig, ZoneoutLM
 
 CPU = resolve_runtime("cpu", "fp32")
 
@@ -162,3 +163,30 @@ def test_config_checks_name_the_flag():
         with pytest.raises(UsageError, match=flag):
             CacheConfig(**kw)
     assert "switching" in CacheConfig().describe() and "lambda 0.2" in CacheConfig(mix=0.2).describe()
+
+
+@pytest.mark.gpu
+def test_the_cache_on_cuda_is_the_cpus_score():
+    """On CUDA (fused cell, fp32): the cached score of 16 streams and of one stream with
+    dynamic evaluation are the CPU's to 1e-4 relative (other kernels, other sums)."""
+    from zlm.core.precision import Runtime
+    from zlm.model.cells import choose_cell
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=40, hidden=64, embed=16, zoneout_cell=0.1, zoneout_hidden=0.05)
+    cpu_model = ZoneoutLM(cfg).eval()
+    cuda_model = ZoneoutLM(cfg, choose_cell("auto", "cuda").fn).eval()
+    cuda_model.load_state_dict(cpu_model.state_dict())
+    cuda_model.cuda()
+    tokens = np.tile(np.random.default_rng(0).integers(0, 40, 300), 10).astype(np.uint8)
+    cuda = Runtime(torch.device("cuda"), "fp32")
+    for protocol, dyn in ((EvalProtocol(16, 64), None), (EvalProtocol(1, 64), DynamicConfig(1e-3, 1e-3, 64))):
+        if dyn is None:
+            want, n = cache_score_predictions(cpu_model, tokens, CPU, protocol, CacheConfig(500))
+            got, m = cache_score_predictions(cuda_model, tokens, cuda, protocol, CacheConfig(500))
+        else:
+            want, n = dynamic_score_predictions(cpu_model, tokens, CPU, protocol, dyn, CacheConfig(500))
+            got, m = dynamic_score_predictions(cuda_model, tokens, cuda, protocol, dyn, CacheConfig(500))
+        assert m == n and got == pytest.approx(want, rel=1e-4)
