@@ -10,8 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
 from conftest import shakespeare_text, train_run, write_char_dataset
+from zlm.cli import app
 from zlm.core.config import TrainConfig
 from zlm.data.dataset import Dataset
 from zlm.model.lm import ModelConfig
@@ -20,10 +22,9 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "cache-grid"
 
 
 def zlm_eval(run, *args) -> dict:
-    out = subprocess.run([sys.executable, "-m", "zlm", "eval", str(run), "--json", *args],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)
+    res = CliRunner().invoke(app, ["eval", str(run), "--json", *args])
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout)
 
 
 def test_each_cell_is_what_zlm_eval_reports(tmp_path):
