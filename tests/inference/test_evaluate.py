@@ -128,6 +128,8 @@ def test_the_python_api_scores_with_the_cache(run):
     assert (cached.tokens, cached.characters) == (static.tokens, static.characters)
     zero = lm.evaluate_split("valid", streams=4, cache=CacheConfig(mix=0.0))
     assert zero.bpc == pytest.approx(static.bpc, rel=1e-6) and cached.bpc != static.bpc
+    one = json.loads(CliRunner().invoke(app, ["eval", str(run), "--cache", "--json"]).stdout)
+    assert lm.evaluate_split("valid", cache=True).bpc == pytest.approx(one["bpc"], rel=1e-9)  # 1 stream
     text = "First Citizen:\nSpeak, speak.\n" * 3
     assert lm.evaluate_text(text, cache=True).characters == len(text)
 

@@ -31,11 +31,14 @@ class LanguageModel(LoadedModel):
         """
         return evaluate_text(self, text, EvalProtocol(streams, bptt), unknown, cache=_cache(cache))
 
-    def evaluate_split(self, split: str = "valid", *, streams: int = 16,
+    def evaluate_split(self, split: str = "valid", *, streams: int | None = None,
                        bptt: int = 256, cache: bool | CacheConfig = False) -> Score:
-        """BPC of a split of the training DATA_DIR (the protocol `zlm train` validates with);
-        cache as for `evaluate_text`."""
-        return evaluate_split(self, split, EvalProtocol(streams, bptt), cache=_cache(cache))
+        """BPC of a split of the training DATA_DIR: 16 streams by default, the protocol
+        `zlm train` validates with; with the cache (as for `evaluate_text`) one, as
+        `zlm eval --cache` scores."""
+        cache = _cache(cache)
+        streams = (1 if cache else 16) if streams is None else streams
+        return evaluate_split(self, split, EvalProtocol(streams, bptt), cache=cache)
 
     def sample(self, prime: str = "", length: int = 200, *, temperature: float = 1.0,
                top_k: int | None = None, top_p: float | None = None,
