@@ -29,6 +29,22 @@ if TYPE_CHECKING:
     from zlm.inference.evaluate import EvalResult
 
 
+# The cache's options, shared with `zlm score`.
+CacheFlag = Annotated[bool, typer.Option(
+    "--cache", help="The continuous cache (Grave et al. 2017): each prediction mixed with "
+    "the tokens that followed the stream's recent positions whose states match this one; "
+    "no weight changes. BPC is the cached value, static BPC beside it.")]
+CacheSize = Annotated[int, typer.Option(help="--cache: past positions of each stream it remembers.")]
+CacheTheta = Annotated[float, typer.Option(help="--cache: sharpness of the match, exp(theta h_t . h_i).")]
+CacheLambda = Annotated[float | None, typer.Option(
+    help="--cache: fix the cache's share of the mixture at this value \\[default: a mixture "
+         "over shares 0 to 0.9 that switches as the text does].", show_default=False)]
+
+
+def cache_config(on: bool, size: int, theta: float, share: float | None) -> CacheConfig | None:
+    return CacheConfig(size, theta, share) if on else None
+
+
 @handle_errors
 def command(
     run: Annotated[Path, typer.Argument(
@@ -61,18 +77,10 @@ def command(
         help="--dynamic: decay toward the trained weights per update.")] = DEFAULT_DECAY,
     segment: Annotated[int, typer.Option(
         help="--dynamic: tokens per segment (one update each; replaces --bptt).")] = DEFAULT_SEGMENT,
-    cache: Annotated[bool, typer.Option(
-        "--cache", help="The continuous cache (Grave et al. 2017): each prediction mixed with "
-        "the tokens that followed the stream's recent positions whose states match this one; "
-        "no weight changes. BPC is the cached value, static BPC beside it.")] = False,
-    cache_size: Annotated[int, typer.Option(
-        help="--cache: past positions of each stream it remembers.")] = DEFAULT_CACHE_SIZE,
-    cache_theta: Annotated[float, typer.Option(
-        help="--cache: sharpness of the match, exp(theta h_t . h_i).")] = DEFAULT_CACHE_THETA,
-    cache_lambda: Annotated[float | None, typer.Option(
-        help="--cache: fix the cache's share of the mixture at this value \\[default: a "
-             "mixture over shares 0 to 0.9 that switches as the text does].",
-        show_default=False)] = None,
+    cache: CacheFlag = False,
+    cache_size: CacheSize = DEFAULT_CACHE_SIZE,
+    cache_theta: CacheTheta = DEFAULT_CACHE_THETA,
+    cache_lambda: CacheLambda = None,
     eval_tokens: Annotated[int, typer.Option(
         help="Score at most this many predictions, spread over the text: each stream its "
              "stretch's first piece, as `zlm train --eval-tokens` validates (0: all). "
@@ -86,7 +94,7 @@ def command(
     if split is not None and file is not None:
         raise UsageError("pass --split or --file, not both")
     dyn = DynamicConfig(dynamic_lr, dynamic_decay, segment) if dynamic else None
-    cached = CacheConfig(cache_size, cache_theta, cache_lambda) if cache else None
+    cached = cache_config(cache, cache_size, cache_theta, cache_lambda)
     config = EvalConfig(split=None if file is not None else (split or "valid"), file=file,
                         streams=(1 if dynamic or cache else 16) if batch_size is None else batch_size,
                         bptt=bptt, unknown=unknown, device=device, dynamic=dyn, cache=cached,

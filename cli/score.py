@@ -15,9 +15,11 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from zlm.cli.evaluate import CacheFlag, CacheLambda, CacheSize, CacheTheta, cache_config
 from zlm.cli.render import handle_errors, print_pairs, use_rich
 from zlm.cli.textinput import read_text
 from zlm.core.metrics import LN2
+from zlm.inference.adapt_config import DEFAULT_CACHE_SIZE, DEFAULT_CACHE_THETA
 
 if TYPE_CHECKING:
     from zlm.inference.score import ScoredText
@@ -44,12 +46,17 @@ def command(
         help="Characters outside a char vocabulary: error | replace (U+FFFD, if the "
              "vocabulary has it).")] = "error",
     device: Annotated[str, typer.Option(help="auto | cpu | cuda.")] = "auto",
+    cache: CacheFlag = False,
+    cache_size: CacheSize = DEFAULT_CACHE_SIZE,
+    cache_theta: CacheTheta = DEFAULT_CACHE_THETA,
+    cache_lambda: CacheLambda = None,
 ) -> None:
     """Bits the model spends on each character of a text: a heat map of its surprise."""
     from zlm.cli.heatmap import check_html_target, write_html
     from zlm.inference.score import ScoreConfig, score
 
-    config = ScoreConfig(streams=batch_size, bptt=bptt, top_k=top_k, unknown=unknown, device=device)
+    config = ScoreConfig(streams=batch_size, bptt=bptt, top_k=top_k, unknown=unknown, device=device,
+                         cache=cache_config(cache, cache_size, cache_theta, cache_lambda))
     if html is not None:
         check_html_target(html)  # before the model loads
     text = read_text(file, "FILE")

@@ -49,7 +49,8 @@ def json_lines(res):
     return rows[:-1], rows[-1]["summary"]
 
 
-@pytest.mark.parametrize("opts", [[], ["--batch-size", "3", "--bptt", "7"]])
+@pytest.mark.parametrize("opts", [[], ["--batch-size", "3", "--bptt", "7"], ["--cache"],
+                                  ["--cache", "--batch-size", "3", "--cache-size", "50", "--cache-lambda", "0.2"]])
 def test_totals_equal_eval_file(run, tmp_path, opts):
     f = tmp_path / "long.txt"
     f.write_text(shakespeare_text(3000), encoding="utf-8")

@@ -12,6 +12,7 @@ import torch
 from zlm.core.precision import resolve_runtime
 from zlm.data.tokenizers import ByteTokenizer, CharTokenizer
 from zlm.errors import DataError, UsageError
+from zlm.inference.adapt_config import CacheConfig
 from zlm.inference.evaluate import evaluate_text
 from zlm.inference.load import LoadedModel
 from zlm.inference.score import ScoreConfig, score_text_chars, token_label
@@ -72,3 +73,27 @@ def test_subword_labels():
     labels = [token_label(sp, i) for i in range(sp.vocab_size)]
     assert "<0xE2>" in labels and " the" in labels and "\n" in labels and "a" in labels
     assert all(labels)
+
+
+@pytest.mark.parametrize("streams", [1, 3])
+def test_the_cache_scores_what_zlm_eval_cache_scores_over_a_whole_distribution(streams):
+    """--cache: the totals are `zlm eval --file --cache`'s (the tail of the last stream
+    included, at 3 streams); every position's distribution over all tokens sums to 1 and
+    holds the target's bits; a fixed share of 0 is the plain model."""
+    text = "To be, or not to be: that is the question.\n" * 12
+    tok = CharTokenizer(text)
+    lm = fake_lm(tok)
+    with torch.no_grad():
+        lm.model.embedding.weight.mul_(10)  # distinct states, so the cache matters
+    cache = CacheConfig(200, 5.0)
+    protocol = ScoreConfig(streams=streams).protocol
+    scored = score_text_chars(lm, text, ScoreConfig(streams=streams, top_k=tok.vocab_size, cache=cache))
+    ref = evaluate_text(lm, text, protocol, cache=cache)
+    plain = score_text_chars(lm, text, ScoreConfig(streams=streams))
+    assert scored.score.nats == pytest.approx(ref.nats, rel=1e-6) and scored.score.nats < 0.95 * plain.score.nats  # 0.90 when written
+    assert "continuous cache" in scored.protocol
+    np.testing.assert_allclose(scored.top_probs.sum(1), 1.0, atol=1e-6)
+    target = [row.index(c) for row, c in zip(scored.top_tokens, text, strict=True)]
+    np.testing.assert_allclose(-np.log2(scored.top_probs[np.arange(len(text)), target]), scored.bits, rtol=1e-9)
+    zero = score_text_chars(lm, text, ScoreConfig(streams=streams, top_k=3, cache=CacheConfig(200, 5.0, 0.0)))
+    np.testing.assert_allclose(zero.bits, plain.bits, rtol=1e-6)

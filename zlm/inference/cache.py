@@ -68,6 +68,11 @@ class ContinuousCache:
         p_cache(target) (T, B) and whether anything was remembered (T, B); then remembers
         the window. Position t of the window sees the stored positions and the window's
         own positions before t, the last `size` of them."""
+        p, remembered, _ = self.distribution(h, targets, 0)
+        return p, remembered
+
+    def distribution(self, h: Tensor, targets: Tensor, vocab: int) -> tuple[Tensor, Tensor, Tensor | None]:
+        """`probability`, and p_cache over all `vocab` tokens (T, B, V) (None for vocab 0)."""
         W, T = self.config.size, h.shape[0]
         q = h.float().transpose(0, 1)  # (B, T, H)
         keys = torch.cat([self.keys, q], 1)  # (B, W + T, H): key k is the window's position k - W
@@ -82,8 +87,13 @@ class ContinuousCache:
         scores.masked_fill_(~remembered[..., None], 0.0)  # softmax of nothing: masked out below
         weights = torch.softmax(scores, -1)
         p = (weights * (follow[:, None, :] == targets.t()[:, :, None])).sum(-1) * remembered
+        full = None
+        if vocab:
+            index = follow.clamp_min(0)[:, None, :].expand_as(weights)  # empty slots weigh 0
+            full = weights.new_zeros(*weights.shape[:2], vocab).scatter_add_(2, index, weights)
+            full = (full * remembered[..., None]).transpose(0, 1)  # (T, B, V)
         self.keys, self.next = keys[:, -W:].contiguous(), follow[:, -W:].contiguous()
-        return p.t(), remembered.t()
+        return p.t(), remembered.t(), full
 
     def keep_last(self) -> None:
         """Keep only the last stream's memory (it alone continues over the text's tail)."""
@@ -120,15 +130,23 @@ class SwitchingShare:
     def score(self, log_p: Tensor, p_cache: Tensor, remembered: Tensor) -> Tensor:
         """log p(target) (T, B) float64 under the mixture; then the weights move on. A window
         of fewer streams than before continues the last of them (the text's tail)."""
+        return self.run(log_p, p_cache, remembered)[0]
+
+    def run(self, log_p: Tensor, p_cache: Tensor, remembered: Tensor) -> tuple[Tensor, Tensor]:
+        """`score`, and the share each prediction had in effect (T, B): the weights' mean of
+        the shares, since a mixture of (1 - lambda_k) p + lambda_k p_cache is (1 - mean) p +
+        mean p_cache."""
         each = mix(log_p, p_cache, remembered, self.lambdas)  # (T, B, K)
         log_w = self.log_w[-each.shape[1]:]
         out = torch.empty(each.shape[:2], dtype=torch.float64, device=each.device)
+        share = torch.empty_like(out)
         for t in range(each.shape[0]):
+            share[t] = log_w.exp() @ self.lambdas
             joint = log_w + each[t]  # (B, K)
             out[t] = torch.logsumexp(joint, -1)
             log_w = torch.logaddexp(joint - out[t, :, None] + self.keep, torch.full_like(joint, self.spread))
         self.log_w = log_w
-        return out
+        return out, share
 
 
 class CacheScorer:
@@ -151,6 +169,20 @@ class CacheScorer:
         """h (T, B, H) the window's states, log p_model(target) (T, B) -> summed cached nats;
         then remembers the window."""
         return self.nats(log_p, *self.cache.probability(h, targets))
+
+    def log_probs(self, h: Tensor, log_p: Tensor, targets: Tensor) -> Tensor:
+        """The mixture's log-probabilities of every token (T, B, V) float64 from the model's
+        (T, B, V), with the share each prediction had in effect (`zlm score --cache`); its
+        values at the targets are what `__call__` sums. Remembers the window."""
+        at = log_p.gather(-1, targets[..., None]).squeeze(-1)  # (T, B)
+        p_target, remembered, full = self.cache.distribution(h, targets, log_p.shape[-1])
+        if self.switching is None:
+            share = torch.full(at.shape, self.config.mix, dtype=torch.float64, device=at.device)
+        else:
+            share = self.switching.run(at, p_target, remembered)[1]
+        share = share.where(remembered, torch.zeros((), dtype=torch.float64, device=at.device))[..., None]
+        mixed = torch.logaddexp(log_p.double() + torch.log1p(-share), full.double().log() + share.log())
+        return mixed.where(remembered[..., None], log_p.double())
 
     def keep_last(self) -> None:
         """Only the last stream goes on (the text's tail)."""

@@ -32,6 +32,8 @@ import torch.nn.functional as F
 from zlm.core.eval_protocol import EvalProtocol
 from zlm.core.metrics import LN2
 from zlm.data.tokenizers import Tokenizer, context_ids
+from zlm.inference.adapt_config import CacheConfig
+from zlm.inference.cache import CacheScorer
 
 ATTRIBUTION = {
     "char": "one token per character",
@@ -59,16 +61,20 @@ def _targets(lm, ids: np.ndarray) -> tuple[np.ndarray, int]:
 
 
 def _run_stream(model, tokens, starts, length, bptt, state, runtime, out: TokenPredictions,
-                offset: int):
-    """Run streams starting at `starts` for `length` predictions, writing into `out`."""
+                offset: int, cache: CacheScorer | None = None):
+    """Run streams starting at `starts` for `length` predictions, writing into `out`; with
+    `cache`, the predictions are its mixture's."""
     dev, k = runtime.device, out.top_ids.shape[1]
     for s in range(0, length, bptt):
         T = min(bptt, length - s)
         pos = starts[None, :] + s + np.arange(T + 1)[:, None]  # (T+1, B)
         window = torch.from_numpy(np.asarray(tokens[pos], dtype=np.int64)).to(dev)
         with runtime.autocast():
-            logits, state = model(window[:-1], state)  # (T, B, V)
+            x, state = model.features(window[:-1], state)  # (T, B, H)
+            logits = model.decoder(x)  # (T, B, V)
         logp = F.log_softmax(logits.float(), -1)  # (T, B, V)
+        if cache is not None:
+            logp = cache.log_probs(x.float(), logp, window[1:])
         nll = -logp.gather(-1, window[1:, :, None]).squeeze(-1)  # (T, B)
         at = pos[:-1] + offset  # (T, B): index of the predicted token in ids
         out.bits[at] = nll.double().cpu().numpy() / LN2
@@ -81,12 +87,13 @@ def _run_stream(model, tokens, starts, length, bptt, state, runtime, out: TokenP
 
 @torch.no_grad()
 def token_predictions(lm, ids: np.ndarray, protocol: EvalProtocol = EvalProtocol(1),
-                      top_k: int = 0) -> TokenPredictions:
+                      top_k: int = 0, cache: CacheConfig | None = None) -> TokenPredictions:
     """Bits of each of the N tokens of `ids` and the model's top-k tokens before each.
 
     lm: a `zlm.inference.load.LoadedModel`. ids: (N,) the text's token ids (as
     `lm.tokenizer.encode(text)`); the newline context is prepended here. top_k: 0 for
-    bits only; capped at the vocabulary size.
+    bits only; capped at the vocabulary size. cache: the predictions are mixed with the
+    continuous cache (`zlm.inference.cache`), as `zlm eval --file --cache` scores them.
     """
     model = lm.model
     was_training = model.training
@@ -103,11 +110,14 @@ def token_predictions(lm, ids: np.ndarray, protocol: EvalProtocol = EvalProtocol
     S = protocol.streams_for(n)
     L = n // S
     rt = lm.runtime
-    state = _run_stream(model, tokens, np.arange(S) * L, L, protocol.bptt, None, rt, out, offset)
+    scorer = None if cache is None else CacheScorer(S, model.config.hidden, cache, rt.device)
+    state = _run_stream(model, tokens, np.arange(S) * L, L, protocol.bptt, None, rt, out, offset, scorer)
     tail = n - S * L
     if tail:  # the last stream continues, state carried, to the end (as zlm.core.eval_protocol)
         last = (state[0][:, -1:].contiguous(), state[1][:, -1:].contiguous())
-        _run_stream(model, tokens, np.array([S * L]), tail, protocol.bptt, last, rt, out, offset)
+        if scorer is not None:
+            scorer.keep_last()
+        _run_stream(model, tokens, np.array([S * L]), tail, protocol.bptt, last, rt, out, offset, scorer)
     model.train(was_training)
     return out
 

@@ -21,6 +21,7 @@ from zlm.core.eval_protocol import EvalProtocol
 from zlm.core.metrics import LN2, Score
 from zlm.data.tokenizers import Tokenizer, check_unknown
 from zlm.errors import DataError, UsageError
+from zlm.inference.adapt_config import CacheConfig
 from zlm.inference.codelength import ATTRIBUTION, char_bits, char_tokens, token_predictions
 from zlm.inference.load import load_model
 
@@ -36,6 +37,7 @@ class ScoreConfig:
     device: str = "auto"
     precision: str = "fp32"
     cell: str = "auto"
+    cache: CacheConfig | None = None  # --cache: the continuous cache's mixture, as zlm eval --cache
 
     def __post_init__(self):
         check_unknown(self.unknown)
@@ -100,7 +102,7 @@ def score_text_chars(lm, text: str, config: ScoreConfig = ScoreConfig(), source:
         raise DataError(f"{source or 'the text'} is empty; there is nothing to score")
     tok = lm.tokenizer
     ids = tok.encode(text, unknown=config.unknown)  # (N,)
-    pred = token_predictions(lm, ids, config.protocol, config.top_k)
+    pred = token_predictions(lm, ids, config.protocol, config.top_k, config.cache)
     bits = char_bits(tok, text, pred.bits)  # (C,)
     first = char_tokens(tok, text, len(ids))  # (C,) the prediction each character is read from
     labels = {int(i): token_label(tok, i) for i in np.unique(pred.top_ids)}
@@ -113,6 +115,8 @@ def score_text_chars(lm, text: str, config: ScoreConfig = ScoreConfig(), source:
                   characters=len(counted), bytes=len(counted.encode("utf-8")))
     ctx = ("the text is preceded by one newline as context" if not context.any()
            else "the text's first token is context")
+    if config.cache is not None:
+        ctx = f"{ctx}; {config.cache.describe()}"
     return ScoredText(text, bits, top_tokens, top_probs, score,
                       config.protocol.describe(predicted, ctx), ATTRIBUTION[tok.kind], tok.kind,
                       str(lm.path), source)
