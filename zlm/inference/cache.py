@@ -1,11 +1,13 @@
 """The continuous cache (Grave et al. 2017, "Improving Neural Language Models with a
 Continuous Cache"): predictions that lean on what the text itself just said.
 
-Owns `ContinuousCache` (the memory of each stream's recent states and what followed them),
-its readable reference `cache_probability_reference`, and `cache_score_predictions`, the
-cached counterpart of `zlm.core.eval_protocol.evaluate_predictions` behind `zlm eval --cache`.
-`CacheConfig` (--cache-size, --cache-theta, --cache-lambda) and its defaults live in the
-torch-free `zlm.inference.adapt_config`.
+Owns `ContinuousCache` (the memory of each stream's recent states and what followed them)
+and its readable reference `cache_probability_reference`; `SwitchingShare` (the cache's
+share, chosen as the text goes); `CacheScorer` (both, for one set of streams: what
+`zlm eval --cache`, `zlm eval --dynamic --cache` and `zlm score --cache` score with); and
+`cache_score_predictions`, the cached counterpart of
+`zlm.core.eval_protocol.evaluate_predictions`. `CacheConfig` (--cache-size, --cache-theta,
+--cache-lambda) and the defaults live in the torch-free `zlm.inference.adapt_config`.
 
 The model reads the text exactly as the static protocol does (the same streams and windows,
 state carried, never reset). Each stream remembers, for its last `size` positions i, the
@@ -15,16 +17,19 @@ probability mixes the model's with the cache's:
     p_cache(w) = sum over remembered i with token_{i+1} = w of softmax_i(theta h_t . h_i)
     p(w)       = (1 - lambda) p_model(w) + lambda p_cache(w)
 
-At a stream's first position, where nothing is remembered, p is p_model. Every prediction
-uses only tokens already scored, so the result is a fair score of the text, and the band of
+By default lambda is not one number: `SwitchingShare` mixes the predictions of the shares
+CACHE_LAMBDAS by how well each did so far, moving CACHE_SWITCH_RATE of the weight back to
+all of them after every step (fixed share), so the share follows the text. At a stream's
+first position, where nothing is remembered, p is p_model. Every prediction uses only
+tokens already scored, so the result is a fair score of the text, and the band of
 remembered positions does not depend on the window length (--bptt moves it only by float
 rounding). No weight changes: the cache costs one product of each window's states with the
-remembered ones (about what the LSTM's own step costs at size 2000 and H 384), where dynamic
-evaluation (`zlm eval --dynamic`) costs a backward pass per segment.
+remembered ones, where dynamic evaluation (`zlm eval --dynamic`) costs a backward pass per
+segment.
 
-Defaults (size 2000, theta 0.5, lambda 0.15): chosen on the valid splits of two corpora
-with the models `zlm train FILE --time-budget 10m` makes; the grid, and the test splits of
-those and two more corpora: docs/inference.md, "The continuous cache".
+Defaults (size 2000, theta 0.5, the switching share at rate 0.03): chosen on the valid
+splits of two corpora with the models `zlm train FILE --time-budget 10m` makes; the grid,
+and the test splits of those and two more corpora: docs/inference.md, "The continuous cache".
 """
 
 from __future__ import annotations
