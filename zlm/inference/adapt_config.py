@@ -2,10 +2,10 @@
 `DynamicConfig` (dynamic evaluation) and `CacheConfig` (the continuous cache), with their
 defaults.
 
-`zlm eval --dynamic`, `zlm eval --cache` and `zlm compress --adapt` show these defaults in
-their --help, so they live apart from the scorers (`zlm.inference.dynamic`, which re-exports
-the dynamic ones, and `zlm.inference.cache`): reading them never imports torch. Where the
-defaults come from: those modules' docstrings.
+`zlm eval --dynamic`, `zlm eval --cache`, `zlm score --cache` and `zlm compress --adapt`
+show these defaults in their --help, so they live apart from the scorers
+(`zlm.inference.dynamic`, which re-exports the dynamic ones, and `zlm.inference.cache`):
+reading them never imports torch. Where the defaults come from: those modules' docstrings.
 """
 
 from __future__ import annotations
