@@ -221,11 +221,12 @@ def _windows_parts(model: ZoneoutLM, runtime: Runtime, windows, state, cache: Co
 
 @torch.no_grad()
 def cache_parts(model: ZoneoutLM, tokens: np.ndarray, runtime: Runtime, protocol: EvalProtocol,
-                config: CacheConfig):
+                config: CacheConfig, memory: ContinuousCache | None = None):
     """Window by window, (log p_model(target), p_cache(target), remembered), each (T, B), over
     the N-1 predictions of `tokens` (N,) or the protocol's sample of them: the static
     protocol's streams and windows, the last stream continuing over the remainder with its
-    state and its memory. `mix` turns them into the score for any lambda."""
+    state and its memory. `mix` turns them into the score for any lambda. memory: the
+    streams' `ContinuousCache` to read and fill (a new one by default)."""
     was_training = model.training
     model.eval()
     n = len(tokens) - 1
@@ -234,7 +235,7 @@ def cache_parts(model: ZoneoutLM, tokens: np.ndarray, runtime: Runtime, protocol
         L = n // S
         scored = protocol.per_stream(n)
         dev = runtime.device
-        cache = ContinuousCache(S, model.config.hidden, config, dev)
+        cache = memory or ContinuousCache(S, model.config.hidden, config, dev)
         state = yield from _windows_parts(
             model, runtime, _windows(tokens, np.arange(S) * L, scored, protocol.bptt, dev), None, cache)
         tail = n - S * L if scored == L else 0
@@ -252,7 +253,7 @@ def cache_score_predictions(model: ZoneoutLM, tokens: np.ndarray, runtime: Runti
     predictions `cache_parts` scores, and their count."""
     scorer = CacheScorer(protocol.streams_for(len(tokens) - 1), model.config.hidden, config, runtime.device)
     nats, count = 0.0, 0
-    for log_p, p_cache, remembered in cache_parts(model, tokens, runtime, protocol, config):
+    for log_p, p_cache, remembered in cache_parts(model, tokens, runtime, protocol, config, scorer.cache):
         nats += scorer.nats(log_p, p_cache, remembered)
         count += log_p.numel()
     return nats, count

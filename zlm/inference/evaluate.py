@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from zlm.core.eval_protocol import EvalProtocol, evaluate_predictions, evaluate_tokens, split_score
+from zlm.core.eval_protocol import EvalProtocol, evaluate_predictions, split_score
 from zlm.core.metrics import Score
 from zlm.data.dataset import Dataset
 from zlm.data.tokenizers import check_unknown, context_ids
@@ -57,8 +57,6 @@ def _predict(lm, tokens, protocol: EvalProtocol, dynamic: DynamicConfig | None,
 def _evaluate_tokens(lm, tokens, tokenizer, characters: int, n_bytes: int, protocol: EvalProtocol,
                   dynamic: DynamicConfig | None, cache: CacheConfig | None) -> Score:
     """`evaluate_tokens` (the first token is context only), static, dynamic or cached."""
-    if dynamic is None and cache is None:
-        return evaluate_tokens(lm.model, tokens, tokenizer, characters, n_bytes, lm.runtime, protocol)
     nats, count = _predict(lm, tokens, protocol, dynamic, cache)
     return split_score(nats, count, tokens, tokenizer, characters, n_bytes)
 
