@@ -70,8 +70,8 @@ def test_the_switching_share_is_its_definition_and_within_its_bound():
     seen = torch.ones(T, B, dtype=torch.bool)
     seen[0] = False
     sw = SwitchingShare(B, "cpu")
-    got = torch.cat([sw.score(log_p[:150], p_cache[:150], seen[:150]),
-                     sw.score(log_p[150:], p_cache[150:], seen[150:])])
+    first, later = sw.run(log_p[:150], p_cache[:150], seen[:150]), sw.run(log_p[150:], p_cache[150:], seen[150:])
+    got, share = torch.cat([first[0], later[0]]), torch.cat([first[1], later[1]])
     K, rate = len(CACHE_LAMBDAS), CACHE_SWITCH_RATE
     for b in range(B):
         w = [1 / K] * K
@@ -81,11 +81,25 @@ def test_the_switching_share_is_its_definition_and_within_its_bound():
                     for lam in CACHE_LAMBDAS]
             p = sum(wk * ek for wk, ek in zip(w, each, strict=True))
             assert float(got[t, b]) == pytest.approx(math.log(p), abs=1e-9)
+            assert float(share[t, b]) == pytest.approx(sum(wk * lam for wk, lam in zip(w, CACHE_LAMBDAS, strict=True)),
+                                                       abs=1e-12)
             w = [(1 - rate) * wk * ek / p + rate / K for wk, ek in zip(w, each, strict=True)]
     fixed = mix(log_p, p_cache, seen, torch.tensor(CACHE_LAMBDAS)).sum(0)  # (B, K)
     bound = math.log(K) + (T - 1) * -math.log1p(-rate)
     assert bool((got.sum(0) >= fixed.max(-1).values - bound).all())
     assert bool((got.sum(0) > fixed.max(-1).values).all())
+
+
+def test_the_switching_share_survives_targets_no_share_gives_a_float64_probability():
+    """A target the model gives exp(-2000) and the cache nothing: every share's probability
+    underflows float64, and the mixture's log is still that log-probability."""
+    log_p = torch.tensor([[-2000.0], [-1.0]], dtype=torch.float64)
+    p_cache = torch.zeros(2, 1, dtype=torch.float64)
+    seen = torch.tensor([[False], [True]])
+    sw = SwitchingShare(1, "cpu")
+    got = sw.score(log_p, p_cache, seen)
+    assert float(got[0, 0]) == pytest.approx(-2000.0)
+    assert math.isfinite(float(got[1, 0])) and float(got[1, 0]) < -1.0
 
 
 def test_a_fixed_share_of_zero_is_the_static_score_and_windows_do_not_matter(untrained_char_model):

@@ -127,10 +127,12 @@ class SwitchingShare:
 
     def __init__(self, streams: int, device, rate: float = CACHE_SWITCH_RATE,
                  lambdas: tuple[float, ...] = CACHE_LAMBDAS):
-        self.lambdas = torch.tensor(lambdas, dtype=torch.float64, device=device)
+        self.lambdas = np.array(lambdas, dtype=np.float64)
+        self.device = device
+        self._lambdas = torch.tensor(lambdas, dtype=torch.float64, device=device)  # for `mix`, where the scores are
         K = len(lambdas)
-        self.log_w = torch.full((streams, K), -math.log(K), dtype=torch.float64, device=device)
-        self.keep, self.spread = math.log1p(-rate), math.log(rate / K) if rate > 0 else -math.inf
+        self.w = np.full((streams, K), 1.0 / K)  # each stream's weights over the shares, summing to 1
+        self.keep, self.spread = 1.0 - rate, rate / K
 
     def score(self, log_p: Tensor, p_cache: Tensor, remembered: Tensor) -> Tensor:
         """log p(target) (T, B) float64 under the mixture; then the weights move on. A window
@@ -140,18 +142,28 @@ class SwitchingShare:
     def run(self, log_p: Tensor, p_cache: Tensor, remembered: Tensor) -> tuple[Tensor, Tensor]:
         """`score`, and the share each prediction had in effect (T, B): the weights' mean of
         the shares, since a mixture of (1 - lambda_k) p + lambda_k p_cache is (1 - mean) p +
-        mean p_cache."""
-        each = mix(log_p, p_cache, remembered, self.lambdas)  # (T, B, K)
-        log_w = self.log_w[-each.shape[1]:]
-        out = torch.empty(each.shape[:2], dtype=torch.float64, device=each.device)
-        share = torch.empty_like(out)
-        for t in range(each.shape[0]):
-            share[t] = log_w.exp() @ self.lambdas
-            joint = log_w + each[t]  # (B, K)
-            out[t] = torch.logsumexp(joint, -1)
-            log_w = torch.logaddexp(joint - out[t, :, None] + self.keep, torch.full_like(joint, self.spread))
-        self.log_w = log_w
-        return out, share
+        mean p_cache.
+
+        Per step, with each share's probability of the target q_k = exp(each_k - m) scaled by
+        the step's largest m (so nothing underflows): p = m + log sum_k w_k q_k, then
+        w <- (1 - rate) w q / sum(w q) + rate / K. The loop runs in numpy on the host: a
+        step is a few operations on (B, K) numbers, where torch's cost per call would be most
+        of the time."""
+        each = mix(log_p, p_cache, remembered, self._lambdas).cpu().numpy()  # (T, B, K)
+        T, B, _ = each.shape
+        top = each.max(-1)  # (T, B)
+        q = np.exp(each - top[..., None])
+        w = self.w[-B:]
+        weights = np.empty_like(q)  # the weights in effect at each step
+        total = np.empty((T, B))
+        for t in range(T):
+            weights[t] = w
+            joint = w * q[t]
+            total[t] = joint.sum(-1)
+            w = joint * (self.keep / total[t])[:, None] + self.spread
+        self.w = w
+        out = torch.from_numpy(top + np.log(total)).to(self.device)
+        return out, torch.from_numpy(weights @ self.lambdas).to(self.device)
 
 
 class CacheScorer:
