@@ -24,6 +24,7 @@ def make_lm(tokenizer=None, layers=1, cell="auto", **kw) -> LanguageModel:
     cfg = ModelConfig(vocab_size=tok.vocab_size, hidden=24, embed=8, layers=layers, **kw)
     choice = choose_cell(cell)
     model = ZoneoutLM(cfg, choice.fn)
+    model.stepped = False  # the model's forward, the reference here, runs the window path, not the Decoder
     with torch.no_grad():  # sharper than the init, so greedy and top-k are not all ties
         model.decoder.weight.mul_(8)
     return LanguageModel(model.eval(), tok, resolve_runtime("cpu"), None, {}, choice)

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import zlm.inference.stepper as stepper
-from zlm.inference.stepper import Stepper, gate_columns, interleave, pack_tiles
+from zlm.inference.stepper import Stepper
 from zlm.model.cells import cpu_ext
+from zlm.model.cells.decoder_tiles import gate_columns, interleave, pack_tiles
 from zlm.model.lm import ModelConfig, ZoneoutLM
 
 
@@ -17,7 +18,9 @@ def _model(layers, hidden=24, vocab=13, dtype=torch.float32):
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=vocab, hidden=hidden, embed=8, layers=layers, zoneout_cell=0.3,
                       zoneout_hidden=0.1)
-    return ZoneoutLM(cfg).to(dtype).eval()
+    model = ZoneoutLM(cfg).to(dtype).eval()
+    model.stepped = False  # the reference forward is the window path, not the Decoder under test
+    return model
 
 
 def _rollout(step, model, tokens):

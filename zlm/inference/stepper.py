@@ -14,9 +14,9 @@ runs when: docs/kernels.md):
 
 - "decode" (CPU, fp32 model, compiled extension): the whole step - every layer's
   matrix-vector products, the element-wise work and the decoder - is ONE call of the
-  C++ `Decoder` (zlm/model/cells/csrc/decoder.cpp), on weights packed here once into
+  C++ `Decoder` (zlm/model/cells/csrc/decoder.cpp), on weights packed once into
   tiles of DECODER_TILE (32) columns with the gates of DECODER_UNITS (8) units side by
-  side (`pack_tiles`, `gate_columns`; the constants: `zlm.model.cells.kernel_constants`).
+  side (`zlm.model.cells.decoder_tiles`).
   bf16 weights (lp=True) halve the bytes read per token; on a CPU with AVX512-BF16 their
   products take x rounded to bf16 (vdpbf16ps, as bf16 training's matmuls do), elsewhere
   the weights are widened exactly to fp32. h, c and the accumulators stay fp32. Streams
@@ -40,35 +40,10 @@ from torch import Tensor
 
 from zlm.core.graphs import CapturedStep
 from zlm.model.cells.cpu_ext import load_extension
-from zlm.model.cells.kernel_constants import DECODER_TILE, DECODER_UNITS
+from zlm.model.cells.decoder_tiles import build_decoder
 from zlm.model.lm import ZoneoutLM
 
 KERNELS = ("auto", "decode", "cpp", "torch")
-
-
-def gate_columns(H: int) -> Tensor:
-    """(Np,) int64, Np = ceil(H / DECODER_UNITS) * DECODER_TILE: for each packed column, the
-    column of a (.., 4H) gate matrix (blocks i, f, g, o) it takes, or 4H for a zero pad;
-    tile t holds the four gates of units 8t .. 8t+7, 8 columns each."""
-    tiles = -(-H // DECODER_UNITS)
-    unit = torch.arange(tiles).view(tiles, 1, 1) * DECODER_UNITS + torch.arange(DECODER_UNITS).view(1, 1, -1)
-    col = torch.arange(4).view(1, 4, 1) * H + unit  # (tiles, 4, DECODER_UNITS)
-    return torch.where(unit < H, col, 4 * H).reshape(-1)
-
-
-def interleave(m: Tensor, H: int) -> Tensor:
-    """(.., 4H) gate columns -> (.., Np) in the Decoder's order (zeros in the pads)."""
-    pad = torch.cat([m, m.new_zeros(*m.shape[:-1], 1)], -1)
-    return pad[..., gate_columns(H).to(m.device)].contiguous()
-
-
-def pack_tiles(w: Tensor) -> Tensor:
-    """A right operand (K, N) -> (ceil(N / DECODER_TILE), K, DECODER_TILE) contiguous tiles
-    (zero-padded)."""
-    K, N = w.shape
-    n = -(-N // DECODER_TILE) * DECODER_TILE
-    w = torch.cat([w, w.new_zeros(K, n - N)], 1) if n > N else w
-    return w.reshape(K, n // DECODER_TILE, DECODER_TILE).permute(1, 0, 2).contiguous()
 
 
 class Stepper:
@@ -145,19 +120,7 @@ class Stepper:
 
     def _pack_decoder(self, model: ZoneoutLM):
         """The C++ Decoder over packed copies of the weights, sharing self.h and self.c."""
-        H = model.config.hidden
-        wd = torch.bfloat16 if self.lp else torch.float32
-        first = model.layers[0]
-        table = interleave(torch.addmm(first.bias, model.embedding.weight, first.weight_ih.t()), H)  # (V, Np)
-        weights, biases = [], []
-        for k, layer in enumerate(model.layers):
-            w = layer.weight_hh.t() if k == 0 else torch.cat([layer.weight_ih.t(), layer.weight_hh.t()], 0)
-            weights.append(pack_tiles(interleave(w, H)).to(wd))  # (tiles, K, DECODER_TILE)
-            biases.append(interleave(layer.bias, H) if k else torch.empty(0))
-        dec_w = pack_tiles(model.decoder.weight.t())  # (ceil(V / DECODER_TILE), H, DECODER_TILE)
-        return self.ext.Decoder(table, weights, biases, dec_w, model.decoder.bias.detach().clone(),
-                                self.h, self.c, [float(k) for k in self.keep_c],
-                                [float(k) for k in self.keep_h], int(self.threads))
+        return build_decoder(self.ext, model, self.h, self.c, self.lp, self.threads)
 
     def set_state(self, h: Tensor, c: Tensor) -> None:
         """h, c: (L, 1 or B, H), broadcast over the B streams."""

@@ -6,7 +6,7 @@ The sources, one per job, and the header they share:
     csrc/mkl_gemm.cpp     the fp32 windows' recurrent product through MKL's packed GEMM, where torch has MKL
     csrc/amx_gemm.cpp     the bf16 windows' recurrent product through oneDNN's AMX micro-kernel, where the CPU has AMX
     csrc/mask_draw.cpp    the zoneout keep masks of the mix16 draw
-    csrc/decoder.cpp      sampling: the whole-model Decoder and the inverse-CDF token draw
+    csrc/decoder.cpp      sampling and scoring a few streams: the whole-model Decoder, the inverse-CDF token draw
     csrc/module.cpp       the Python bindings
     csrc/kernels.h        what they share
 

@@ -3,7 +3,7 @@
 `zlm.model.cells.cpu_ext` passes `CONSTANTS` to the compiler as -D defines
 (`compiler_defines`: ZLM_DECODER_TILE, ...), and csrc/kernels.h stops the build with
 #error where one is missing, so the C++ never carries its own copy. Python reads them here,
-without the extension: `zlm.inference.stepper` packs the Decoder's weights in its tile
+without the extension: `zlm.model.cells.decoder_tiles` packs the Decoder's weights in its tile
 layout, and `zlm.model.cells.masks.mix_words`, the torch expression of the mix16 mask
 draw that runs where the extension does not (no compiler, CUDA), computes the same
 splitmix64 words as csrc/mask_draw.cpp.
@@ -11,7 +11,7 @@ splitmix64 words as csrc/mask_draw.cpp.
 
 from __future__ import annotations
 
-# The sampling Decoder (csrc/decoder.cpp): a weight (K, N) is packed as ceil(N / TILE)
+# The Decoder (csrc/decoder.cpp): a weight (K, N) is packed as ceil(N / TILE)
 # contiguous (K, TILE) tiles; a gate matrix's tile holds the pre-activations i, f, g, o of
 # DECODER_UNITS hidden units side by side, so one thread finishes their step alone.
 DECODER_TILE = 32

@@ -34,7 +34,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-_MAX_CACHED = 16  # packed weights kept: a few layers x (forward, backward) x batch sizes
+_MAX_CACHED = 16  # packed weights kept: a few layers x (forward, backward) x batch sizes, Decoders
 
 
 def _onednn_ready() -> bool:
@@ -174,14 +174,24 @@ def recurrent_gemm(
     `.data`, which do not bump the version). `tag` names what `build` derives; `backend`
     forces one (default: `backend_for`); "mkl" and "amx" need `ext`, the C++ extension that packs.
     """
-    with torch.no_grad():
-        if not cache:
+    if not cache:
+        with torch.no_grad():
             return _make(sources, batch, build, backend, ext)
+    return cached(("gemm", tag, batch, backend), sources, lambda: _make(sources, batch, build, backend, ext))
+
+
+def cached(key: tuple, sources: tuple[Tensor, ...], make: Callable[[], object]):
+    """`make()`'s result (built without grad), reused for the same `key` while every source
+    is the same tensor at the same address and version and a probe of a few of its
+    elements is unchanged (the probe catches writes through `.data`, which do not bump the
+    version). Packed forms of weights derive from `sources`; `key` says what else they
+    depend on. Inference-mode tensors have no version counter: built every call."""
+    with torch.no_grad():
         try:
             stamps = tuple(_stamp(s) for s in sources)
-        except RuntimeError:  # inference-mode tensors have no version counter: no caching
-            return _make(sources, batch, build, backend, ext)
-        key = (tag, batch, backend, tuple(id(s) for s in sources))
+        except RuntimeError:
+            return make()
+        key = (*key, tuple(id(s) for s in sources))
         hit = _cache.get(key)
         if (
             hit is not None
@@ -190,7 +200,7 @@ def recurrent_gemm(
             and all(torch.equal(view, copy) for view, copy in hit[2])
         ):
             return hit[3]
-        gemm = _make(sources, batch, build, backend, ext)
+        made = make()
         if len(_cache) >= _MAX_CACHED:  # drop entries whose sources are gone, then the oldest
             for k in [k for k, v in _cache.items() if any(r() is None for r in v[0])]:
                 del _cache[k]
@@ -198,8 +208,8 @@ def recurrent_gemm(
                 del _cache[next(iter(_cache))]
         refs = tuple(weakref.ref(s) for s in sources)
         probes = tuple((v, v.clone()) for v in map(_probe, sources))  # (live view, copy)
-        _cache[key] = (refs, stamps, probes, gemm)
-        return gemm
+        _cache[key] = (refs, stamps, probes, made)
+        return made
 
 
 def _make(sources: tuple[Tensor, ...], batch: int, build: Build, backend: str | None, ext=None) -> RecurrentGemm:

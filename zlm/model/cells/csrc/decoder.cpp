@@ -1,9 +1,10 @@
 // Single-token decoding for `zlm sample` and `zlm serve`: the whole-model `Decoder` and the
-// token `draw`.
+// token `draw`. `Decoder::run` steps a window of tokens without the decoder: the features of
+// scoring's few streams (zlm/model/cells/decoder_tiles.py).
 //
 // `Decoder` steps a whole model (all layers, then the decoder) for one token per stream in
 // ONE call: what `zlm sample` runs per character, and what `zlm serve` runs for all its
-// streams at once. Weights are packed once (by zlm/inference/stepper.py) into "tiles": a
+// streams at once. Weights are packed once (by zlm/model/cells/decoder_tiles.py) into "tiles": a
 // right operand W (K, N) of y = x W becomes ceil(N/kTile) tiles of (K, kTile), each
 // contiguous, so a tile's product streams memory in order. The 4H gate columns are
 // interleaved: tile t holds the pre-activations i, f, g, o of units kUnits t .. kUnits (t+1) - 1
@@ -382,16 +383,14 @@ void Decoder::layer(int64_t l, const int64_t* tok) {
   std::memcpy(hp, hn, sizeof(float) * B * H);
 }
 
-void Decoder::step(const at::Tensor& tok, const at::Tensor& logits) {
-  const int64_t L = h.size(0), B = h.size(1), H = h.size(2), V = dec_b.numel();
-  TORCH_CHECK(tok.scalar_type() == at::kLong && tok.is_contiguous() && tok.numel() == B,
-              "Decoder.step: tok (B,) int64");
-  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.is_contiguous() && logits.numel() == B * V,
-              "Decoder.step: logits (B, V) fp32");
-  const int64_t* tp = tok.data_ptr<int64_t>();
+void Decoder::check_tokens(const int64_t* tp, int64_t n) const {
   const int64_t Vin = table.size(0);
-  for (int64_t b = 0; b < B; ++b)
-    TORCH_CHECK(tp[b] >= 0 && tp[b] < Vin, "Decoder.step: token id ", tp[b], " out of range");
+  for (int64_t b = 0; b < n; ++b)
+    TORCH_CHECK(tp[b] >= 0 && tp[b] < Vin, "Decoder: token id ", tp[b], " out of range");
+}
+
+void Decoder::layers(const int64_t* tp) {
+  const int64_t L = h.size(0), B = h.size(1), H = h.size(2);
   float* xc = xcat.data_ptr<float>();
   for (int64_t l = 0; l < L; ++l) {
     if (l > 0) {  // x = [h of layer l-1 (new), h of layer l (previous)]
@@ -405,6 +404,34 @@ void Decoder::step(const at::Tensor& tok, const at::Tensor& logits) {
     if (w[l].scalar_type() == at::kBFloat16) layer<uint16_t>(l, tp);
     else layer<float>(l, tp);
   }
+}
+
+void Decoder::run(const at::Tensor& tok, const at::Tensor& out) {
+  const int64_t L = h.size(0), B = h.size(1), H = h.size(2);
+  TORCH_CHECK(tok.scalar_type() == at::kLong && tok.is_contiguous() && tok.dim() == 2 && tok.size(1) == B,
+              "Decoder.run: tok (T, B) int64");
+  const int64_t T = tok.size(0);
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.numel() == T * B * H,
+              "Decoder.run: out (T, B, H) fp32");
+  const int64_t* tp = tok.data_ptr<int64_t>();
+  check_tokens(tp, T * B);
+  float* op = out.data_ptr<float>();
+  const float* top = h[L - 1].data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    layers(tp + t * B);
+    std::memcpy(op + t * B * H, top, sizeof(float) * B * H);
+  }
+}
+
+void Decoder::step(const at::Tensor& tok, const at::Tensor& logits) {
+  const int64_t L = h.size(0), B = h.size(1), H = h.size(2), V = dec_b.numel();
+  TORCH_CHECK(tok.scalar_type() == at::kLong && tok.is_contiguous() && tok.numel() == B,
+              "Decoder.step: tok (B,) int64");
+  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.is_contiguous() && logits.numel() == B * V,
+              "Decoder.step: logits (B, V) fp32");
+  const int64_t* tp = tok.data_ptr<int64_t>();
+  check_tokens(tp, B);
+  layers(tp);
   const int64_t vt = dec_w.size(0);
   const float* top = h[L - 1].data_ptr<float>();
   const float* dw = dec_w.data_ptr<float>();

@@ -6,7 +6,7 @@
 //   mkl_gemm.cpp    the fp32 windows' recurrent product through MKL's packed GEMM
 //   amx_gemm.cpp    the bf16 windows' recurrent product through oneDNN's AMX micro-kernel
 //   mask_draw.cpp   the zoneout keep masks (the mix16 draw)
-//   decoder.cpp     sampling: the whole-model Decoder and the inverse-CDF token draw
+//   decoder.cpp     sampling and scoring a few streams: the whole-model Decoder, the inverse-CDF token draw
 //   module.cpp      the Python bindings (the only file that includes pybind11)
 // with explicit instruction-set flags (-mavx2 -mfma, or -mavx512f ...), never -march=native.
 
@@ -166,10 +166,15 @@ struct Decoder {
           at::Tensor dec_b_, at::Tensor h_, at::Tensor c_, std::vector<double> kc, std::vector<double> kh,
           int64_t threads_);
   void step(const at::Tensor& tok, const at::Tensor& logits);
+  // T tokens per stream, one after another, without the decoder: tok (T, B) int64 -> out
+  // (T, B, H) fp32, the top layer's h after each (what the decoder reads); h, c carried.
+  void run(const at::Tensor& tok, const at::Tensor& out);
 
  private:
   template <typename W>
   void layer(int64_t l, const int64_t* tok);
+  void layers(const int64_t* tok);  // every layer for one token per stream (checked ids)
+  void check_tokens(const int64_t* tok, int64_t n) const;
 };
 
 }  // namespace zlm

@@ -41,5 +41,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<zlm::Decoder>(m, "Decoder")
       .def(pybind11::init<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>, at::Tensor, at::Tensor,
                           at::Tensor, at::Tensor, std::vector<double>, std::vector<double>, int64_t>())
-      .def("step", &zlm::Decoder::step, "one token per stream through every layer and the decoder");
+      .def("step", &zlm::Decoder::step, "one token per stream through every layer and the decoder")
+      .def("run", &zlm::Decoder::run, "T tokens per stream through every layer: the top layer's h after each");
 }

@@ -1,0 +1,159 @@
+"""`ZoneoutLM.features` through the C++ Decoder (`zlm.model.cells.decoder_tiles`): a few
+streams in eval mode without gradients. Checked against the window path (the fused cell)
+and the fp64 reference, forward only (it runs without gradients), to 1e-5; when it runs and
+when it does not; that it follows weights changed in place."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from zlm.core.eval_protocol import EvalProtocol, evaluate_predictions
+from zlm.core.precision import resolve_runtime
+from zlm.model.cells import cpu_ext, decoder_tiles
+from zlm.model.lm import ModelConfig, ZoneoutLM
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(autouse=True)
+def _need_extension():
+    if cpu_ext.load_extension() is None:
+        pytest.skip(f"no compiled Decoder: {cpu_ext.unavailable_reason()}")
+
+
+def _model(layers=1, zoneout=(0.3, 0.1), hidden=40, vocab=17):
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=vocab, hidden=hidden, embed=8, layers=layers, zoneout_cell=zoneout[0],
+                      zoneout_hidden=zoneout[1], dropout=0.2)
+    return ZoneoutLM(cfg).eval()
+
+
+def _state(model, B, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    shape = (model.config.layers, B, model.config.hidden)
+    return torch.randn(shape, generator=g) * 0.5, torch.randn(shape, generator=g) * 0.5
+
+
+def _windows(model, tokens, state, stepped: bool):
+    """features over two consecutive windows, the state carried: (x of both, final state)."""
+    model.stepped = stepped
+    try:
+        with torch.no_grad():
+            x1, state = model.features(tokens[:30], state)
+            x2, state = model.features(tokens[30:], state)
+    finally:
+        del model.stepped
+    return torch.cat([x1, x2]), state
+
+
+def _spy(monkeypatch):
+    calls = []
+    real = decoder_tiles.stepped_features
+
+    def spy(*args):
+        calls.append(args[1].shape)
+        return real(*args)
+
+    monkeypatch.setattr("zlm.model.lm.stepped_features", spy)
+    return calls
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+@pytest.mark.parametrize("zoneout", [(0.3, 0.1), (0.0, 0.0)])
+@pytest.mark.parametrize("B", [1, 3])
+def test_stepped_features_are_the_window_paths_and_the_fp64_references(layers, zoneout, B, monkeypatch):
+    calls = _spy(monkeypatch)
+    model = _model(layers, zoneout)
+    tokens = torch.randint(0, model.config.vocab_size, (70, B))
+    state = _state(model, B)
+    got, (h, c) = _windows(model, tokens, state, stepped=True)
+    assert len(calls) == 2  # both windows ran through the Decoder
+    ref, (rh, rc) = _windows(model, tokens, state, stepped=False)
+    assert len(calls) == 2
+    for a, b in ((got, ref), (h, rh), (c, rc)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    f64 = _model(layers, zoneout).double()  # fp64 weights: never stepped (the Decoder is fp32)
+    exact, (eh, ec) = _windows(f64, tokens, tuple(s.double() for s in state), stepped=True)
+    assert len(calls) == 2
+    for a, b in ((got, exact), (h, eh), (c, ec)):
+        torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=1e-5)
+
+
+def test_when_the_decoder_runs(monkeypatch):
+    """Eval mode without gradients, fp32 on the CPU, no autocast, at most
+    STEPPED_MAX_STREAMS streams: everything else stays on the window path."""
+    calls = _spy(monkeypatch)
+    model = _model()
+    most = decoder_tiles.STEPPED_MAX_STREAMS
+
+    def ran(B, grad=False, autocast=False, m=model) -> bool:
+        before = len(calls)
+        tokens = torch.randint(0, 17, (5, B))
+        with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            m.features(tokens)
+        return len(calls) > before
+
+    assert ran(1) and ran(most)
+    assert not ran(most + 1)
+    assert not ran(1, grad=True)
+    bf16dot = cpu_ext.load_extension().decoder_kernel() == "avx512-bf16dot"
+    assert ran(1, autocast=True) == bf16dot  # bf16 only where the Decoder rounds h as autocast does
+    model.train()
+    assert not ran(1)
+    model.eval()
+    assert not ran(1, m=_model().double())
+    model.stepped = False
+    assert not ran(1)
+
+
+def test_weights_changed_in_place_are_packed_again():
+    model = _model()
+    tokens = torch.randint(0, 17, (40, 1))
+    before, _ = _windows(model, tokens, None, stepped=True)
+    with torch.no_grad():
+        model.layers[0].weight_hh.mul_(0.5)  # a new version: packed again
+    got, _ = _windows(model, tokens, None, stepped=True)
+    ref, _ = _windows(model, tokens, None, stepped=False)
+    assert not torch.allclose(got, before)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    model.layers[0].weight_hh.data[0, 0] += 1.0  # through .data: no new version, the probe sees it
+    got, _ = _windows(model, tokens, None, stepped=True)
+    ref, _ = _windows(model, tokens, None, stepped=False)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_the_decoders_features_do_not_depend_on_the_thread_count():
+    model = _model(hidden=256)
+    tokens = torch.randint(0, 17, (40, 2))
+    one, _ = _windows(model, tokens, None, stepped=True)
+    torch.set_num_threads(2)  # the one_thread fixture puts it back
+    two, _ = _windows(model, tokens, None, stepped=True)
+    assert torch.equal(one, two)
+
+
+def test_one_stream_scores_what_the_window_path_scores():
+    model = _model(2)
+    tokens = np.random.default_rng(0).integers(0, 17, 1201)
+    cpu = resolve_runtime("cpu", "fp32")
+    got, n = evaluate_predictions(model, tokens, cpu, EvalProtocol(1, 64))
+    model.stepped = False
+    ref, k = evaluate_predictions(model, tokens, cpu, EvalProtocol(1, 64))
+    assert n == k == 1200 and got == pytest.approx(ref, rel=1e-6)
+
+
+@pytest.mark.cpu_feature("bf16")
+def test_under_bf16_autocast_the_decoder_rounds_as_autocast_does(monkeypatch):
+    """Where the CPU has native bf16 the Decoder's bf16 products stand in for autocast's:
+    within bf16's rounding of the window path under autocast."""
+    if cpu_ext.load_extension().decoder_kernel() != "avx512-bf16dot":
+        pytest.skip("the Decoder has no bf16 dot products in this build")
+    calls = _spy(monkeypatch)
+    model = _model(2)
+    tokens = torch.randint(0, 17, (70, 1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, _ = _windows(model, tokens, None, stepped=True)
+        ref, _ = _windows(model, tokens, None, stepped=False)
+    assert len(calls) == 2
+    torch.testing.assert_close(got, ref.float(), atol=2e-2, rtol=2e-2)

@@ -1,0 +1,132 @@
+"""The C++ `Decoder` (csrc/decoder.cpp) from Python: its weights packed into tiles, and the
+eval-mode features of a window stepped through it.
+
+The Decoder steps a whole model one token per stream in one call, on weights packed once
+into tiles of DECODER_TILE (32) columns with the four gates of DECODER_UNITS (8) units side
+by side (`gate_columns`, `interleave`, `pack_tiles`; the constants:
+`zlm.model.cells.kernel_constants`). `zlm sample`, `zlm serve` and `zlm compress` step it
+token by token (`zlm.inference.stepper.Stepper`).
+
+`stepped_features` runs a scoring window through it: `Decoder.run` steps the window's T
+tokens in one call and returns the top layer's h after each, what `ZoneoutLM.features`
+returns in eval mode. With one or a few streams a window's recurrence is a chain of
+matrix-vector products, which the Decoder's tiles split over the cores in one pass over
+the weights, with each tile's element-wise step done by the thread that computed it; the
+window path (the fused cell's forward, one matrix product and one element-wise call per
+step) pays for a product shaped for larger batches. `ZoneoutLM.features` takes this path
+in eval mode without gradients on the CPU for at most `STEPPED_MAX_STREAMS` streams
+(`step_weights` gives the rest of the conditions): what `zlm eval --cache`, `zlm eval
+--dynamic`'s plain score, `zlm eval --batch-size 1` and `zlm score` run. Its speed against
+the window path: docs/speed.md, "Scoring one stream".
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from zlm.model.cells.cpu_ext import load_extension
+from zlm.model.cells.kernel_constants import DECODER_TILE, DECODER_UNITS
+from zlm.model.cells.packed_gemm import cached
+
+# The most streams `stepped_features` takes. The AVX2 Decoder reads a tile's weights once per
+# stream, so with more streams the window path's batched product catches up: fp32 on 2 cores
+# the Decoder ran 1.5-2.5x the window path's speed at 1 and 2 streams, 1.3-1.5x at 4, and
+# 0.93-1.10x at 8 (1 x 512, 1 x 384; docs/speed.md, "Scoring one stream").
+STEPPED_MAX_STREAMS = 4
+
+
+def gate_columns(H: int) -> Tensor:
+    """(Np,) int64, Np = ceil(H / DECODER_UNITS) * DECODER_TILE: for each packed column, the
+    column of a (.., 4H) gate matrix (blocks i, f, g, o) it takes, or 4H for a zero pad;
+    tile t holds the four gates of units 8t .. 8t+7, 8 columns each."""
+    tiles = -(-H // DECODER_UNITS)
+    unit = torch.arange(tiles).view(tiles, 1, 1) * DECODER_UNITS + torch.arange(DECODER_UNITS).view(1, 1, -1)
+    col = torch.arange(4).view(1, 4, 1) * H + unit  # (tiles, 4, DECODER_UNITS)
+    return torch.where(unit < H, col, 4 * H).reshape(-1)
+
+
+def interleave(m: Tensor, H: int) -> Tensor:
+    """(.., 4H) gate columns -> (.., Np) in the Decoder's order (zeros in the pads)."""
+    pad = torch.cat([m, m.new_zeros(*m.shape[:-1], 1)], -1)
+    return pad[..., gate_columns(H).to(m.device)].contiguous()
+
+
+def pack_tiles(w: Tensor) -> Tensor:
+    """A right operand (K, N) -> (ceil(N / DECODER_TILE), K, DECODER_TILE) contiguous tiles
+    (zero-padded)."""
+    K, N = w.shape
+    n = -(-N // DECODER_TILE) * DECODER_TILE
+    w = torch.cat([w, w.new_zeros(K, n - N)], 1) if n > N else w
+    return w.reshape(K, n // DECODER_TILE, DECODER_TILE).permute(1, 0, 2).contiguous()
+
+
+@torch.no_grad()
+def build_decoder(ext, model, h: Tensor, c: Tensor, lp: bool, threads: int):
+    """The C++ Decoder over packed copies of `model`'s weights (a `ZoneoutLM`, fp32), stepping
+    the state h, c (L, B, H) fp32 in place. lp: bf16 weights (h, c and the sums stay fp32)."""
+    H = model.config.hidden
+    wd = torch.bfloat16 if lp else torch.float32
+    first = model.layers[0]
+    table = interleave(torch.addmm(first.bias, model.embedding.weight, first.weight_ih.t()), H)  # (V, Np)
+    weights, biases = [], []
+    for k, layer in enumerate(model.layers):
+        w = layer.weight_hh.t() if k == 0 else torch.cat([layer.weight_ih.t(), layer.weight_hh.t()], 0)
+        weights.append(pack_tiles(interleave(w, H)).to(wd))  # (tiles, K, DECODER_TILE)
+        biases.append(interleave(layer.bias, H) if k else torch.empty(0))
+    dec_w = pack_tiles(model.decoder.weight.t())  # (ceil(V / DECODER_TILE), H, DECODER_TILE)
+    return ext.Decoder(table, weights, biases, dec_w, model.decoder.bias.detach().clone(), h, c,
+                       [float(layer.zoneout_cell) for layer in model.layers],
+                       [float(layer.zoneout_hidden) for layer in model.layers], int(threads))
+
+
+def _weights(model) -> tuple[Tensor, ...]:
+    parts = [model.embedding.weight, model.decoder.weight, model.decoder.bias]
+    for layer in model.layers:
+        parts += [layer.weight_ih, layer.weight_hh, layer.bias]
+    return tuple(parts)
+
+
+def step_weights(model, tokens: Tensor) -> torch.dtype | None:
+    """The weights `stepped_features` runs this window with, or None where it does not run
+    it. It runs eval mode without gradients on the CPU, fp32 weights, at most
+    STEPPED_MAX_STREAMS streams, with the compiled Decoder: fp32 without autocast; bf16
+    under bf16 autocast where the Decoder rounds h to bf16 for each product as autocast's
+    matmuls round their inputs (AVX512-BF16), not where it would widen the weights instead."""
+    weight = model.embedding.weight
+    if (model.training or torch.is_grad_enabled() or tokens.device.type != "cpu" or weight.dtype != torch.float32
+            or tokens.dim() != 2 or tokens.shape[1] > STEPPED_MAX_STREAMS):
+        return None
+    ext = load_extension()
+    if ext is None or not hasattr(ext.Decoder, "run"):
+        return None
+    if not torch.is_autocast_enabled("cpu"):
+        return torch.float32
+    if torch.get_autocast_dtype("cpu") == torch.bfloat16 and ext.decoder_kernel() == "avx512-bf16dot":
+        return torch.bfloat16
+    return None
+
+
+def stepped_features(model, tokens: Tensor, state: tuple[Tensor, Tensor],
+                     weights: torch.dtype = torch.float32) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+    """`ZoneoutLM.features` in eval mode through the Decoder (`step_weights` says when and
+    gives `weights`): tokens (T, B) int64, state (h, c) each (L, B, H) -> the top layer's h
+    after each token (T, B, H) fp32 and the final state. The Decoder is packed once per set
+    of weights (`packed_gemm.cached`)."""
+    T, B = tokens.shape
+    L, H = model.config.layers, model.config.hidden
+    threads = torch.get_num_threads()
+    lp = weights == torch.bfloat16
+    zones = tuple((float(layer.zoneout_cell), float(layer.zoneout_hidden)) for layer in model.layers)
+
+    def make():
+        h = torch.zeros(L, B, H)
+        c = torch.zeros(L, B, H)
+        return build_decoder(load_extension(), model, h, c, lp, threads), h, c
+
+    decoder, h, c = cached(("stepped", B, lp, threads, zones), _weights(model), make)
+    h.copy_(state[0])
+    c.copy_(state[1])
+    out = torch.empty(T, B, H)
+    decoder.run(tokens.long().contiguous(), out)
+    return out, (h.clone(), c.clone())
