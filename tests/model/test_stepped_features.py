@@ -157,3 +157,26 @@ def test_under_bf16_autocast_the_decoder_rounds_as_autocast_does(monkeypatch):
         ref, _ = _windows(model, tokens, None, stepped=False)
     assert len(calls) == 2
     torch.testing.assert_close(got, ref.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_threads_scoring_with_one_model_do_not_share_the_decoders_state():
+    """Each thread steps its own Decoder: two threads scoring different texts at once get what
+    each gets alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    model = _model()
+    texts = [torch.randint(0, 17, (600, 1), generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+
+    def score(tokens):
+        state, outs = None, []
+        with torch.no_grad():
+            for t in range(0, len(tokens), 20):
+                x, state = model.features(tokens[t:t + 20], state)
+                outs.append(x)
+        return torch.cat(outs)
+
+    alone = [score(t) for t in texts]
+    with ThreadPoolExecutor(2) as pool:
+        together = list(pool.map(score, texts))
+    for a, b in zip(alone, together, strict=True):
+        assert torch.equal(a, b)

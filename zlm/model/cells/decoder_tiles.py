@@ -22,6 +22,8 @@ the window path: docs/speed.md, "Scoring one stream".
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch import Tensor
 
@@ -90,9 +92,11 @@ def _weights(model) -> tuple[Tensor, ...]:
 def step_weights(model, tokens: Tensor) -> torch.dtype | None:
     """The weights `stepped_features` runs this window with, or None where it does not run
     it. It runs eval mode without gradients on the CPU, fp32 weights, at most
-    STEPPED_MAX_STREAMS streams, with the compiled Decoder: fp32 without autocast; bf16
+    STEPPED_MAX_STREAMS streams, not under a tracer, with the compiled Decoder: fp32 without autocast; bf16
     under bf16 autocast where the Decoder rounds h to bf16 for each product as autocast's
     matmuls round their inputs (AVX512-BF16), not where it would widen the weights instead."""
+    if torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        return None  # a tracer sees the cell's torch ops (before any test of a shape it may keep dynamic)
     weight = model.embedding.weight
     if (model.training or torch.is_grad_enabled() or tokens.device.type != "cpu" or weight.dtype != torch.float32
             or tokens.dim() != 2 or tokens.shape[1] > STEPPED_MAX_STREAMS):
@@ -124,7 +128,10 @@ def stepped_features(model, tokens: Tensor, state: tuple[Tensor, Tensor],
         c = torch.zeros(L, B, H)
         return build_decoder(load_extension(), model, h, c, lp, threads), h, c
 
-    decoder, h, c = cached(("stepped", B, lp, threads, zones), _weights(model), make)
+    # One Decoder (and state buffers) per calling thread: two threads scoring with one model
+    # never share the h, c it steps.
+    key = ("stepped", B, lp, threads, zones, threading.get_ident())
+    decoder, h, c = cached(key, _weights(model), make)
     h.copy_(state[0])
     c.copy_(state[1])
     out = torch.empty(T, B, H)
