@@ -62,7 +62,7 @@ def _spy(monkeypatch):
 
 @pytest.mark.parametrize("layers", [1, 2])
 @pytest.mark.parametrize("zoneout", [(0.3, 0.1), (0.0, 0.0)])
-@pytest.mark.parametrize("B", [1, 3])
+@pytest.mark.parametrize("B", [1, 3, 7])
 def test_stepped_features_are_the_window_paths_and_the_fp64_references(layers, zoneout, B, monkeypatch):
     calls = _spy(monkeypatch)
     model = _model(layers, zoneout)
@@ -83,10 +83,13 @@ def test_stepped_features_are_the_window_paths_and_the_fp64_references(layers, z
 
 def test_when_the_decoder_runs(monkeypatch):
     """Eval mode without gradients, fp32 on the CPU, no autocast, at most
-    STEPPED_MAX_STREAMS streams: everything else stays on the window path."""
+    `max_streams` streams (16 with the AVX2 product, else 4): everything else stays on the
+    window path."""
     calls = _spy(monkeypatch)
     model = _model()
-    most = decoder_tiles.STEPPED_MAX_STREAMS
+    ext = cpu_ext.load_extension()
+    most = decoder_tiles.max_streams(ext)
+    assert most == (16 if ext.decoder_kernel() == "avx2" else 4)
 
     def ran(B, grad=False, autocast=False, m=model) -> bool:
         before = len(calls)
@@ -98,7 +101,7 @@ def test_when_the_decoder_runs(monkeypatch):
     assert ran(1) and ran(most)
     assert not ran(most + 1)
     assert not ran(1, grad=True)
-    bf16dot = cpu_ext.load_extension().decoder_kernel() == "avx512-bf16dot"
+    bf16dot = ext.decoder_kernel() == "avx512-bf16dot"
     assert ran(1, autocast=True) == bf16dot  # bf16 only where the Decoder rounds h as autocast does
     model.train()
     assert not ran(1)

@@ -14,10 +14,11 @@ matrix-vector products, which the Decoder's tiles split over the cores in one pa
 the weights, with each tile's element-wise step done by the thread that computed it; the
 window path (the fused cell's forward, one matrix product and one element-wise call per
 step) pays for a product shaped for larger batches. `ZoneoutLM.features` takes this path
-in eval mode without gradients on the CPU for at most `STEPPED_MAX_STREAMS` streams
-(`step_weights` gives the rest of the conditions): what `zlm eval --cache`, `zlm eval
---dynamic`'s plain score, `zlm eval --batch-size 1` and `zlm score` run. Its speed against
-the window path: docs/speed.md, "Scoring one stream".
+in eval mode without gradients on the CPU for at most `max_streams` streams (16 with the
+AVX2 product, else 4; `step_weights` gives the rest of the conditions): what `zlm eval
+--cache`, `zlm eval --dynamic`'s plain score, `zlm eval --batch-size 1` and `zlm score`
+run, and on AVX2 CPUs `zlm eval` and training's validation at their 16 streams too. Its
+speed against the window path: docs/speed.md, "Scoring one stream".
 """
 
 from __future__ import annotations
@@ -31,11 +32,15 @@ from zlm.model.cells.cpu_ext import load_extension
 from zlm.model.cells.kernel_constants import DECODER_TILE, DECODER_UNITS
 from zlm.model.cells.packed_gemm import cached
 
-# The most streams `stepped_features` takes. The AVX2 Decoder reads a tile's weights once per
-# stream, so with more streams the window path's batched product catches up: fp32 on 2 cores
-# the Decoder ran 1.5-2.5x the window path's speed at 1 and 2 streams, 1.3-1.5x at 4, and
-# 0.93-1.10x at 8 (1 x 512, 1 x 384; docs/speed.md, "Scoring one stream").
-STEPPED_MAX_STREAMS = 4
+# The most streams `stepped_features` takes, by the Decoder's product (`decoder_kernel()`).
+# The Decoder reads a weight tile once per 4 streams, the window path's product serves all
+# streams at once. fp32 on 2 AVX2 cores the Decoder was faster at every count measured, 1 to
+# 16 streams (1.7-3.0x at 1-2, 1.1-1.2x at 16; 1 x 384 and 1 x 512: docs/speed.md, "Scoring
+# one stream"), so the eval protocol's 16 streams take it there. Elsewhere it is measured at
+# one stream only (where it is a matrix-vector product on any CPU); with AMX the window
+# path's bf16 product is faster at 16 streams (docs/kernels.md), so those builds keep 4.
+STEPPED_MAX_STREAMS = {"avx2": 16}
+STEPPED_MAX_STREAMS_ELSEWHERE = 4
 
 
 def gate_columns(H: int) -> Tensor:
@@ -89,20 +94,25 @@ def _weights(model) -> tuple[Tensor, ...]:
     return tuple(parts)
 
 
+def max_streams(ext) -> int:
+    """The most streams `stepped_features` takes with this build's Decoder."""
+    return STEPPED_MAX_STREAMS.get(ext.decoder_kernel(), STEPPED_MAX_STREAMS_ELSEWHERE)
+
+
 def step_weights(model, tokens: Tensor) -> torch.dtype | None:
     """The weights `stepped_features` runs this window with, or None where it does not run
     it. It runs eval mode without gradients on the CPU, fp32 weights, at most
-    STEPPED_MAX_STREAMS streams, not under a tracer, with the compiled Decoder: fp32 without autocast; bf16
+    `max_streams` streams, not under a tracer, with the compiled Decoder: fp32 without autocast; bf16
     under bf16 autocast where the Decoder rounds h to bf16 for each product as autocast's
     matmuls round their inputs (AVX512-BF16), not where it would widen the weights instead."""
     if torch.compiler.is_compiling() or torch.compiler.is_exporting():
         return None  # a tracer sees the cell's torch ops (before any test of a shape it may keep dynamic)
     weight = model.embedding.weight
     if (model.training or torch.is_grad_enabled() or tokens.device.type != "cpu" or weight.dtype != torch.float32
-            or tokens.dim() != 2 or tokens.shape[1] > STEPPED_MAX_STREAMS):
+            or tokens.dim() != 2):
         return None
     ext = load_extension()
-    if ext is None or not hasattr(ext.Decoder, "run"):
+    if ext is None or not hasattr(ext.Decoder, "run") or tokens.shape[1] > max_streams(ext):
         return None
     if not torch.is_autocast_enabled("cpu"):
         return torch.float32

@@ -26,7 +26,8 @@
 //   (autocast rounds the matmul's input to bf16).
 // - "avx512" (fp32 weights, or bf16 widened exactly to fp32): kRows = 4 rows, two
 //   accumulators per row and column half (even and odd k).
-// - "avx2": one row at a time, 8 accumulators (even and odd k). "portable": plain loops.
+// - "avx2": kRows = 4 rows, two accumulators per row and 8-column chunk (even and odd k), as
+//   many chunks per pass over k as the registers hold. "portable": plain loops, one row.
 // h, c, the gates and the decoder's logits are fp32 in every case.
 
 #include "kernels.h"
@@ -164,8 +165,8 @@ inline void to_bf16(const float* x, int64_t n, uint16_t* out) {
 #endif
 
 #elif defined(__AVX2__) && defined(__FMA__)
-constexpr int kRows = 1;
-static_assert(kTile == 32, "the AVX2 tile product holds a tile in four 8-float registers");
+constexpr int kRows = 4;
+static_assert(kTile == 32, "the AVX2 tile product takes a tile as four 8-float column chunks");
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) {  // 8 bf16 -> 8 fp32 (exact: the bits shifted up)
@@ -173,38 +174,57 @@ inline __m256 load8(const uint16_t* p) {  // 8 bf16 -> 8 fp32 (exact: the bits s
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
 }
 
-// acc[0..32) += x[0..K) . w (K, 32): two accumulator sets (even and odd k) for ILP.
-template <typename W, int R>
-inline void rows_product(const float* x, int64_t, const W* w, int64_t K, float* acc) {
-  static_assert(R == 1, "the AVX2 product takes one row at a time");
-  __m256 a0 = _mm256_loadu_ps(acc), a1 = _mm256_loadu_ps(acc + 8);
-  __m256 a2 = _mm256_loadu_ps(acc + 16), a3 = _mm256_loadu_ps(acc + 24);
-  __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps(), b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
+// acc[r][8q .. 8q + 8C) += x_r . w[:, 8q .. 8q + 8C) for R rows (x_r = x + r xs), C column
+// chunks of 8 at once: per row and chunk two accumulators, even k and odd k (for ILP), added
+// at the end. Each column's sums run in the same order whatever R and C, so a row's result
+// does not depend on the rows stepped with it.
+template <typename W, int R, int C>
+inline void chunk_product(const float* x, int64_t xs, const W* w, int64_t K, float* acc, int q) {
+  __m256 a[R][C], b[R][C];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < C; ++j) {
+      a[r][j] = _mm256_loadu_ps(acc + r * kTile + 8 * (q + j));
+      b[r][j] = _mm256_setzero_ps();
+    }
   int64_t k = 0;
   for (; k + 1 < K; k += 2) {
-    const W* w0 = w + k * kTile;
-    const __m256 x0 = _mm256_broadcast_ss(x + k), x1 = _mm256_broadcast_ss(x + k + 1);
-    a0 = _mm256_fmadd_ps(x0, load8(w0), a0);
-    a1 = _mm256_fmadd_ps(x0, load8(w0 + 8), a1);
-    a2 = _mm256_fmadd_ps(x0, load8(w0 + 16), a2);
-    a3 = _mm256_fmadd_ps(x0, load8(w0 + 24), a3);
-    b0 = _mm256_fmadd_ps(x1, load8(w0 + 32), b0);
-    b1 = _mm256_fmadd_ps(x1, load8(w0 + 40), b1);
-    b2 = _mm256_fmadd_ps(x1, load8(w0 + 48), b2);
-    b3 = _mm256_fmadd_ps(x1, load8(w0 + 56), b3);
+    const W* w0 = w + k * kTile + 8 * q;
+#pragma GCC unroll 4
+    for (int j = 0; j < C; ++j) {
+      const __m256 v0 = load8(w0 + 8 * j), v1 = load8(w0 + kTile + 8 * j);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        a[r][j] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + r * xs + k), v0, a[r][j]);
+        b[r][j] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + r * xs + k + 1), v1, b[r][j]);
+      }
+    }
   }
   if (k < K) {
-    const W* w0 = w + k * kTile;
-    const __m256 x0 = _mm256_broadcast_ss(x + k);
-    a0 = _mm256_fmadd_ps(x0, load8(w0), a0);
-    a1 = _mm256_fmadd_ps(x0, load8(w0 + 8), a1);
-    a2 = _mm256_fmadd_ps(x0, load8(w0 + 16), a2);
-    a3 = _mm256_fmadd_ps(x0, load8(w0 + 24), a3);
+    const W* w0 = w + k * kTile + 8 * q;
+#pragma GCC unroll 4
+    for (int j = 0; j < C; ++j) {
+      const __m256 v0 = load8(w0 + 8 * j);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) a[r][j] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + r * xs + k), v0, a[r][j]);
+    }
   }
-  _mm256_storeu_ps(acc, _mm256_add_ps(a0, b0));
-  _mm256_storeu_ps(acc + 8, _mm256_add_ps(a1, b1));
-  _mm256_storeu_ps(acc + 16, _mm256_add_ps(a2, b2));
-  _mm256_storeu_ps(acc + 24, _mm256_add_ps(a3, b3));
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < C; ++j) _mm256_storeu_ps(acc + r * kTile + 8 * (q + j), _mm256_add_ps(a[r][j], b[r][j]));
+}
+
+// acc[r][0..32) += x_r[0..K) . w (K, 32) for R rows: one row takes the tile's four chunks in
+// one pass over k (8 accumulators); several rows take fewer chunks per pass (at most 16
+// accumulators in the 16 registers with the weights and broadcasts), so each pass reads its
+// columns' weights once for all R rows.
+template <typename W, int R>
+inline void rows_product(const float* x, int64_t xs, const W* w, int64_t K, float* acc) {
+  constexpr int C = R == 1 ? 4 : (R == 2 ? 2 : 1);
+#pragma GCC unroll 4
+  for (int q = 0; q < 4; q += C) chunk_product<W, R, C>(x, xs, w, K, acc, q);
 }
 #else  // portable: the compiler vectorises the 32-wide inner loops
 constexpr int kRows = 1;
@@ -240,7 +260,7 @@ template <typename F>
 inline void with_rows(int r, F&& f) {
   switch (r) {
     case 1: f(std::integral_constant<int, 1>{}); break;
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
     case 2: f(std::integral_constant<int, 2>{}); break;
     case 3: f(std::integral_constant<int, 3>{}); break;
     case 4: f(std::integral_constant<int, 4>{}); break;
