@@ -80,11 +80,12 @@ def test_eval_on_a_sample(run):
 
 
 def test_eval_with_the_cache(run, tmp_path):
-    """--cache: BPC is the cached score, the static one beside it over the same streams;
-    the settings are in the JSON and the protocol; a text file takes it too."""
+    """--cache: BPC is the cached score, the static one beside it over the same streams
+    (from the same pass: its per-token sums in float64, where plain eval sums each window
+    in fp32); the settings are in the JSON and the protocol; a text file takes it too."""
     plain = json.loads(ok("eval", run, "--batch-size", "4", "--json").stdout)
     out = json.loads(ok("eval", run, "--batch-size", "4", "--cache", "--json").stdout)
-    assert out["static_bpc"] == pytest.approx(plain["bpc"], rel=1e-9) and out["bpc"] != plain["bpc"]
+    assert out["static_bpc"] == pytest.approx(plain["bpc"], rel=1e-6) and out["bpc"] != plain["bpc"]
     assert out["cache"] == {"size": 2000, "theta": 0.5, "mix": None} and out["dynamic"] is None
     assert "continuous cache" in out["protocol"] and out["tokens"] == plain["tokens"]
     fixed = json.loads(ok("eval", run, "--batch-size", "4", "--cache", "--cache-lambda", "0",

@@ -204,3 +204,22 @@ def test_the_cache_on_cuda_is_the_cpus_score():
             want, n = dynamic_score_predictions(cpu_model, tokens, CPU, protocol, dyn, CacheConfig(500))
             got, m = dynamic_score_predictions(cuda_model, tokens, cuda, protocol, dyn, CacheConfig(500))
         assert m == n and got == pytest.approx(want, rel=1e-4)
+
+
+def test_eval_with_the_cache_alone_scores_the_plain_model_in_the_same_pass(untrained_char_model, monkeypatch):
+    """`zlm eval --cache` runs the model over the text once: the plain score beside the cached
+    one is the cached pass's own predictions, equal to the static protocol's to float
+    rounding. With --dynamic the plain score takes a pass of its own."""
+    from zlm.inference import evaluate as ev
+
+    m, tok = untrained_char_model
+    passes = []
+    monkeypatch.setattr(ev, "evaluate_predictions", lambda *a, **k: passes.append(1) or evaluate_predictions(*a, **k))
+    lm = type("LM", (), {"model": m, "tokenizer": tok, "runtime": CPU})()
+    text = shakespeare_text(2_000)
+    score, plain = ev._text_scores(lm, text, EvalProtocol(1), "error", None, CacheConfig(100))
+    assert passes == [] and plain is not None
+    static = ev.evaluate_text(lm, text, EvalProtocol(1))
+    assert passes == [1] and plain.bpc == pytest.approx(static.bpc, rel=1e-6) and score.bpc != static.bpc
+    _, none = ev._text_scores(lm, text, EvalProtocol(1, 64), "error", DynamicConfig(), CacheConfig(100))
+    assert none is None

@@ -6,7 +6,8 @@ and its readable reference `cache_probability_reference`; `SwitchingShare` (the 
 share, chosen as the text goes); `CacheScorer` (both, for one set of streams: what
 `zlm eval --cache`, `zlm eval --dynamic --cache` and `zlm score --cache` score with); and
 `cache_score_predictions`, the cached counterpart of
-`zlm.core.eval_protocol.evaluate_predictions`. `CacheConfig` (--cache-size, --cache-theta,
+`zlm.core.eval_protocol.evaluate_predictions` (`cache_and_plain_predictions`: with the
+model's own score from the same pass). `CacheConfig` (--cache-size, --cache-theta,
 --cache-lambda) and the defaults live in the torch-free `zlm.inference.adapt_config`.
 
 The model reads the text exactly as the static protocol does (the same streams and windows,
@@ -263,9 +264,20 @@ def cache_score_predictions(model: ZoneoutLM, tokens: np.ndarray, runtime: Runti
                             protocol: EvalProtocol, config: CacheConfig) -> tuple[float, int]:
     """Cached counterpart of `evaluate_predictions` (one process): summed nats over the
     predictions `cache_parts` scores, and their count."""
+    nats, count, _ = cache_and_plain_predictions(model, tokens, runtime, protocol, config)
+    return nats, count
+
+
+def cache_and_plain_predictions(model: ZoneoutLM, tokens: np.ndarray, runtime: Runtime,
+                                protocol: EvalProtocol, config: CacheConfig) -> tuple[float, int, float]:
+    """`cache_score_predictions`, and the model's own summed nats over the same predictions
+    from the same pass (the plain score `zlm eval --cache` prints beside the cached one:
+    `evaluate_predictions`' to float rounding, summed per token in float64)."""
     scorer = CacheScorer(protocol.streams_for(len(tokens) - 1), model.config.hidden, config, runtime.device)
     nats, count = 0.0, 0
+    plain = torch.zeros((), dtype=torch.float64, device=runtime.device)
     for log_p, p_cache, remembered in cache_parts(model, tokens, runtime, protocol, config, scorer.cache):
         nats += scorer.nats(log_p, p_cache, remembered)
+        plain -= log_p.double().sum()
         count += log_p.numel()
-    return nats, count
+    return nats, count, float(plain)

@@ -19,7 +19,7 @@ from zlm.data.dataset import Dataset
 from zlm.data.tokenizers import check_unknown, context_ids
 from zlm.errors import DataError, UsageError, require_file
 from zlm.inference.adapt_config import CacheConfig
-from zlm.inference.cache import cache_score_predictions
+from zlm.inference.cache import cache_and_plain_predictions
 from zlm.inference.dynamic import DynamicConfig, dynamic_score_predictions
 from zlm.inference.load import load_model
 
@@ -34,31 +34,47 @@ def evaluate_text(lm, text: str, protocol: EvalProtocol = EvalProtocol(1), unkno
     dynamic evaluation (`zlm.inference.dynamic`) instead of the fixed weights; cache: mix
     the predictions with the continuous cache (`zlm.inference.cache`); either, or both.
     """
+    return _text_scores(lm, text, protocol, unknown, dynamic, cache)[0]
+
+
+def _text_scores(lm, text: str, protocol: EvalProtocol, unknown: str, dynamic: DynamicConfig | None,
+                 cache: CacheConfig | None) -> tuple[Score, Score | None]:
+    """`evaluate_text`'s score, and the plain one where the same pass gave it (`_predict`)."""
     ids = lm.tokenizer.encode(text, unknown=unknown)  # (N,) int64
     ctx = context_ids(lm.tokenizer)
+    n_bytes = len(text.encode("utf-8"))
     if ctx is None:  # no newline in the vocabulary: the first token is the context
-        return _evaluate_tokens(lm, ids, lm.tokenizer, len(text), len(text.encode("utf-8")),
-                             protocol, dynamic, cache)
+        return _token_scores(lm, ids, lm.tokenizer, len(text), n_bytes, protocol, dynamic, cache)
     tokens = np.concatenate([ctx[-1:], ids])  # (N+1,)
-    nats, count = _predict(lm, tokens, protocol, dynamic, cache)
-    return Score(nats=float(nats), tokens=int(count), characters=len(text),
-                 bytes=len(text.encode("utf-8")))
+    nats, count, plain = _predict(lm, tokens, protocol, dynamic, cache)
+
+    def score(total):
+        return Score(nats=float(total), tokens=int(count), characters=len(text), bytes=n_bytes)
+
+    return score(nats), None if plain is None else score(plain)
 
 
 def _predict(lm, tokens, protocol: EvalProtocol, dynamic: DynamicConfig | None,
-             cache: CacheConfig | None):
+             cache: CacheConfig | None) -> tuple[float, int, float | None]:
+    """Summed nats and count of the predictions, static, dynamic or cached; and the plain
+    summed nats where the same pass gave them (the cache alone), else None."""
     if dynamic is not None:
-        return dynamic_score_predictions(lm.model, tokens, lm.runtime, protocol, dynamic, cache)
+        return *dynamic_score_predictions(lm.model, tokens, lm.runtime, protocol, dynamic, cache), None
     if cache is not None:
-        return cache_score_predictions(lm.model, tokens, lm.runtime, protocol, cache)
-    return evaluate_predictions(lm.model, tokens, lm.runtime, protocol)
+        return cache_and_plain_predictions(lm.model, tokens, lm.runtime, protocol, cache)
+    return *evaluate_predictions(lm.model, tokens, lm.runtime, protocol), None
 
 
-def _evaluate_tokens(lm, tokens, tokenizer, characters: int, n_bytes: int, protocol: EvalProtocol,
-                  dynamic: DynamicConfig | None, cache: CacheConfig | None) -> Score:
-    """`evaluate_tokens` (the first token is context only), static, dynamic or cached."""
-    nats, count = _predict(lm, tokens, protocol, dynamic, cache)
-    return split_score(nats, count, tokens, tokenizer, characters, n_bytes)
+def _token_scores(lm, tokens, tokenizer, characters: int, n_bytes: int, protocol: EvalProtocol,
+                  dynamic: DynamicConfig | None, cache: CacheConfig | None) -> tuple[Score, Score | None]:
+    """`evaluate_tokens` (the first token is context only), static, dynamic or cached; and the
+    plain score where the same pass gave it."""
+    nats, count, plain = _predict(lm, tokens, protocol, dynamic, cache)
+
+    def score(total):
+        return split_score(total, count, tokens, tokenizer, characters, n_bytes)
+
+    return score(nats), None if plain is None else score(plain)
 
 
 def open_training_data(lm):
@@ -82,9 +98,14 @@ def evaluate_split(lm, split: str, protocol: EvalProtocol = EvalProtocol(),
                      dynamic: DynamicConfig | None = None, cache: CacheConfig | None = None) -> Score:
     """Score a split of the training DATA_DIR (its first token is context only); dynamic
     and cache as for `evaluate_text`."""
+    return _split_scores(lm, split, protocol, dynamic, cache)[0]
+
+
+def _split_scores(lm, split: str, protocol: EvalProtocol, dynamic: DynamicConfig | None,
+                  cache: CacheConfig | None) -> tuple[Score, Score | None]:
     data = open_training_data(lm)
     info = data.split_info(split)
-    return _evaluate_tokens(lm, data.tokens(split), data.tokenizer, info.characters, info.bytes,
+    return _token_scores(lm, data.tokens(split), data.tokenizer, info.characters, info.bytes,
                          protocol, dynamic, cache)
 
 
@@ -175,27 +196,27 @@ def read_text_file(path: Path) -> str:
 
 def evaluate_loaded(lm, config: EvalConfig) -> EvalResult:
     """Score `config`'s split or file with a loaded `LanguageModel`; with --dynamic or
-    --cache, the plain score first, over the same streams and windows."""
+    --cache, also the plain score over the same streams and windows (with --cache alone,
+    from the same pass: the cached pass computes every prediction of the model's own)."""
     protocol, dyn, cache = config.protocol, config.dynamic, config.cache
     adapt = dyn is not None or cache is not None
     if dyn is not None:  # static and dynamic scored over the same segments as windows
         protocol = EvalProtocol(config.streams, dyn.segment)
-    static = None
-    if config.file is not None:
-        text = read_text_file(config.file)
-        if adapt:
+    text = None if config.file is None else read_text_file(config.file)
+    t0 = time.perf_counter()
+    if text is not None:
+        score, static = _text_scores(lm, text, protocol, config.unknown, dyn, cache)
+        seconds = time.perf_counter() - t0  # of the reported (dynamic or cached, if asked) score only
+        if adapt and static is None:  # over the same streams and windows
             static = evaluate_text(lm, text, protocol, config.unknown)
-        t0 = time.perf_counter()
-        score = evaluate_text(lm, text, protocol, config.unknown, dyn, cache)
         source, context = str(config.file), "the text is preceded by one newline as context"
     else:
-        if adapt:
+        score, static = _split_scores(lm, config.split, protocol, dyn, cache)
+        seconds = time.perf_counter() - t0
+        if adapt and static is None:
             static = evaluate_split(lm, config.split, protocol)
-        t0 = time.perf_counter()
-        score = evaluate_split(lm, config.split, protocol, dyn, cache)
         source = f"{config.split} split of {lm.data_path}"
         context = "the split's first token is context"
-    seconds = time.perf_counter() - t0  # of the reported (dynamic or cached, if asked) score only
     for how in (dyn, cache):
         if how is not None:
             context = f"{context}; {how.describe()}"
