@@ -183,3 +183,23 @@ def test_threads_scoring_with_one_model_do_not_share_the_decoders_state():
         together = list(pool.map(score, texts))
     for a, b in zip(alone, together, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("table", [True, False])
+def test_a_large_vocabulary_is_projected_per_window_not_tabled(table, monkeypatch):
+    """Up to TABLE_MAX_BYTES layer 0 reads each token's row of a (V, 4H) table; above it the
+    window's input projection is one product per window and the Decoder keeps no table (a
+    sentencepiece vocabulary's would be hundreds of MB per cached Decoder). Both are the
+    window path's features."""
+    tables = []
+    real = decoder_tiles.build_decoder
+    monkeypatch.setattr(decoder_tiles, "build_decoder", lambda *a, **k: tables.append(k.get("table")) or real(*a, **k))
+    model = _model(vocab=3000)
+    table_bytes = 3000 * len(decoder_tiles.gate_columns(40)) * 4
+    monkeypatch.setattr(decoder_tiles, "TABLE_MAX_BYTES", table_bytes if table else table_bytes - 1)
+    tokens = torch.randint(0, 3000, (70, 2))
+    got, (h, c) = _windows(model, tokens, None, stepped=True)
+    assert tables == [table]
+    ref, (rh, rc) = _windows(model, tokens, None, stepped=False)
+    for a, b in ((got, ref), (h, rh), (c, rc)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

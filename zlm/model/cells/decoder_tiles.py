@@ -9,7 +9,8 @@ token by token (`zlm.inference.stepper.Stepper`).
 
 `stepped_features` runs a scoring window through it: `Decoder.run` steps the window's T
 tokens in one call and returns the top layer's h after each, what `ZoneoutLM.features`
-returns in eval mode. With one or a few streams a window's recurrence is a chain of
+returns in eval mode. Layer 0's input projection is the Decoder's table of every token's
+(V, 4H), where that is at most TABLE_MAX_BYTES, else one matrix product per window. With one or a few streams a window's recurrence is a chain of
 matrix-vector products, which the Decoder's tiles split over the cores in one pass over
 the weights, with each tile's element-wise step done by the thread that computed it; the
 window path (the fused cell's forward, one matrix product and one element-wise call per
@@ -35,12 +36,18 @@ from zlm.model.cells.packed_gemm import cached
 # The most streams `stepped_features` takes, by the Decoder's product (`decoder_kernel()`).
 # The Decoder reads a weight tile once per 4 streams, the window path's product serves all
 # streams at once. fp32 on 2 AVX2 cores the Decoder was faster at every count measured, 1 to
-# 16 streams (1.7-3.0x at 1-2, 1.1-1.2x at 16; 1 x 384 and 1 x 512: docs/speed.md, "Scoring
+# 16 streams (1.3-2.1x at 1-2, 1.1-1.2x at 16; 1 x 384 and 1 x 512: docs/speed.md, "Scoring
 # one stream"), so the eval protocol's 16 streams take it there. Elsewhere it is measured at
 # one stream only (where it is a matrix-vector product on any CPU); with AMX the window
 # path's bf16 product is faster at 16 streams (docs/kernels.md), so those builds keep 4.
 STEPPED_MAX_STREAMS = {"avx2": 16}
 STEPPED_MAX_STREAMS_ELSEWHERE = 4
+
+# The largest table of layer 0's pre-activations per token (V x 4H fp32) a stepped Decoder
+# keeps: looking a token's row up costs less than the window's input projection (3.2 against
+# 7.7 ms for a window of 16 streams at 1 x 384 here, ~5-10% of the window), but a
+# sentencepiece vocabulary's table would take hundreds of MB per cached Decoder.
+TABLE_MAX_BYTES = 32 << 20
 
 
 def gate_columns(H: int) -> Tensor:
@@ -69,13 +76,19 @@ def pack_tiles(w: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def build_decoder(ext, model, h: Tensor, c: Tensor, lp: bool, threads: int):
+def build_decoder(ext, model, h: Tensor, c: Tensor, lp: bool, threads: int, table: bool = True):
     """The C++ Decoder over packed copies of `model`'s weights (a `ZoneoutLM`, fp32), stepping
-    the state h, c (L, B, H) fp32 in place. lp: bf16 weights (h, c and the sums stay fp32)."""
+    the state h, c (L, B, H) fp32 in place. lp: bf16 weights (h, c and the sums stay fp32).
+    table: layer 0's pre-activations of every token, E W_ih^T + b (V, Np), for `step`; without
+    it (`run`, which is given them per window) one row of zeros stands in, so a large
+    vocabulary costs no memory."""
     H = model.config.hidden
     wd = torch.bfloat16 if lp else torch.float32
     first = model.layers[0]
-    table = interleave(torch.addmm(first.bias, model.embedding.weight, first.weight_ih.t()), H)  # (V, Np)
+    if table:
+        table = interleave(torch.addmm(first.bias, model.embedding.weight, first.weight_ih.t()), H)  # (V, Np)
+    else:
+        table = torch.zeros(1, len(gate_columns(H)))
     weights, biases = [], []
     for k, layer in enumerate(model.layers):
         w = layer.weight_hh.t() if k == 0 else torch.cat([layer.weight_ih.t(), layer.weight_hh.t()], 0)
@@ -133,17 +146,27 @@ def stepped_features(model, tokens: Tensor, state: tuple[Tensor, Tensor],
     lp = weights == torch.bfloat16
     zones = tuple((float(layer.zoneout_cell), float(layer.zoneout_hidden)) for layer in model.layers)
 
+    table = model.config.vocab_size * len(gate_columns(H)) * 4 <= TABLE_MAX_BYTES
+
     def make():
         h = torch.zeros(L, B, H)
         c = torch.zeros(L, B, H)
-        return build_decoder(load_extension(), model, h, c, lp, threads), h, c
+        first = model.layers[0]
+        w_ih = None if table else interleave(first.weight_ih.detach().t(), H)  # (E, Np)
+        bias = None if table else interleave(first.bias.detach(), H)  # (Np,)
+        return build_decoder(load_extension(), model, h, c, lp, threads, table=table), h, c, w_ih, bias
 
     # One Decoder (and state buffers) per calling thread: two threads scoring with one model
     # never share the h, c it steps.
     key = ("stepped", B, lp, threads, zones, threading.get_ident())
-    decoder, h, c = cached(key, _weights(model), make)
+    decoder, h, c, w_ih, bias = cached(key, _weights(model), make)
     h.copy_(state[0])
     c.copy_(state[1])
+    if table:  # layer 0 reads each token's row of the table
+        given = tokens.long().contiguous()
+    else:  # layer 0's pre-activations as the window path computes them: one product
+        emb = model.embedding(tokens).reshape(T * B, -1)  # (T*B, E); eval mode: no dropout
+        given = torch.addmm(bias, emb, w_ih).view(T, B, -1)  # (T, B, Np)
     out = torch.empty(T, B, H)
-    decoder.run(tokens.long().contiguous(), out)
+    decoder.run(given, out)
     return out, (h.clone(), c.clone())

@@ -367,7 +367,9 @@ void Decoder::layer(int64_t l, const int64_t* tok) {
       for (int64_t b0 = 0; b0 < B; b0 += kRows) {
         const int r = static_cast<int>(std::min<int64_t>(kRows, B - b0));
         for (int i = 0; i < r; ++i) {
-          const float* src = init + (l == 0 ? tok[b0 + i] * Np : 0) + t * kTile;
+          // layer 0: the token's table row, or the stream's row of the given projection (run)
+          const float* row = l > 0 ? init : (xp_rows != nullptr ? xp_rows + (b0 + i) * Np : init + tok[b0 + i] * Np);
+          const float* src = row + t * kTile;
           std::memcpy(acc + i * kTile, src, sizeof(float) * kTile);
         }
         with_rows(r, [&](auto R) {
@@ -426,21 +428,26 @@ void Decoder::layers(const int64_t* tp) {
   }
 }
 
-void Decoder::run(const at::Tensor& tok, const at::Tensor& out) {
-  const int64_t L = h.size(0), B = h.size(1), H = h.size(2);
-  TORCH_CHECK(tok.scalar_type() == at::kLong && tok.is_contiguous() && tok.dim() == 2 && tok.size(1) == B,
-              "Decoder.run: tok (T, B) int64");
-  const int64_t T = tok.size(0);
+void Decoder::run(const at::Tensor& in, const at::Tensor& out) {
+  const int64_t L = h.size(0), B = h.size(1), H = h.size(2), Np = table.size(1);
+  const bool tokens = in.scalar_type() == at::kLong;
+  TORCH_CHECK(in.is_contiguous() && in.size(1) == B &&
+              (tokens ? in.dim() == 2 : in.scalar_type() == at::kFloat && in.dim() == 3 && in.size(2) == Np),
+              "Decoder.run: tokens (T, B) int64, or layer 0's interleaved pre-activations (T, B, Np) fp32");
+  const int64_t T = in.size(0);
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.numel() == T * B * H,
               "Decoder.run: out (T, B, H) fp32");
-  const int64_t* tp = tok.data_ptr<int64_t>();
-  check_tokens(tp, T * B);
+  const int64_t* tp = tokens ? in.data_ptr<int64_t>() : nullptr;
+  if (tokens) check_tokens(tp, T * B);
+  const float* xpp = tokens ? nullptr : in.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float* top = h[L - 1].data_ptr<float>();
   for (int64_t t = 0; t < T; ++t) {
-    layers(tp + t * B);
+    xp_rows = tokens ? nullptr : xpp + t * B * Np;
+    layers(tokens ? tp + t * B : nullptr);
     std::memcpy(op + t * B * H, top, sizeof(float) * B * H);
   }
+  xp_rows = nullptr;
 }
 
 void Decoder::step(const at::Tensor& tok, const at::Tensor& logits) {

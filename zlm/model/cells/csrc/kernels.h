@@ -161,19 +161,22 @@ struct Decoder {
   std::vector<int64_t> depth;    // per layer K_l (the tiles of bf16 weights may be re-laid in pairs of k)
   at::Tensor xcat, hnew;         // scratch: (B, 2H) [input, h_prev], (B, H) the new h
   at::Tensor xbf;                // scratch: (B, 2H + 2) bf16, x rounded for the pair layout
+  const float* xp_rows = nullptr;  // during run: layer 0's rows for this step, (B, Np)
 
   Decoder(at::Tensor table_, std::vector<at::Tensor> w_, std::vector<at::Tensor> bias_, at::Tensor dec_w_,
           at::Tensor dec_b_, at::Tensor h_, at::Tensor c_, std::vector<double> kc, std::vector<double> kh,
           int64_t threads_);
   void step(const at::Tensor& tok, const at::Tensor& logits);
-  // T tokens per stream, one after another, without the decoder: tok (T, B) int64 -> out
-  // (T, B, H) fp32, the top layer's h after each (what the decoder reads); h, c carried.
-  void run(const at::Tensor& tok, const at::Tensor& out);
+  // T tokens per stream, one after another, without the decoder: in, the tokens (T, B) int64
+  // (layer 0 reads the table's rows) or layer 0's pre-activations (T, B, Np) fp32 (x W_ih^T +
+  // b, interleaved columns) -> out (T, B, H) fp32, the top layer's h after each (what the
+  // decoder reads); h, c carried.
+  void run(const at::Tensor& in, const at::Tensor& out);
 
  private:
   template <typename W>
   void layer(int64_t l, const int64_t* tok);
-  void layers(const int64_t* tok);  // every layer for one token per stream (checked ids)
+  void layers(const int64_t* tok);  // every layer for one token per stream (checked ids, or xp_rows)
   void check_tokens(const int64_t* tok, int64_t n) const;
 };
 
