@@ -44,6 +44,22 @@ def need_corpus(path: pathlib.Path) -> pathlib.Path:
     return path
 
 
+SCRIPTS = pathlib.Path(__file__).resolve().parents[1] / "scripts"
+
+
+def run_script(name: str, *args, timeout: int = 600) -> str:
+    """scripts/NAME run with this Python and `args`: its stdout, once it exits 0 (else the
+    test fails with its stderr). Needs the compiled extension where the script measures it:
+    the caller skips first."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, str(SCRIPTS / name), *map(str, args)], capture_output=True, text=True,
+                         timeout=timeout)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
 def shakespeare_text(n_chars: int | None = None) -> str:
     text = need_corpus(TINY_SHAKESPEARE).read_text(encoding="utf-8")
     return text if n_chars is None else text[:n_chars]
