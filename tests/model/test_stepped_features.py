@@ -203,3 +203,15 @@ def test_a_large_vocabulary_is_projected_per_window_not_tabled(table, monkeypatc
     ref, (rh, rc) = _windows(model, tokens, None, stepped=False)
     for a, b in ((got, ref), (h, rh), (c, rc)):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_inference_mode_then_no_grad():
+    """A Decoder first built under torch.inference_mode serves later calls under no_grad
+    (its state buffers are ordinary tensors)."""
+    model = _model()
+    tokens = torch.randint(0, 17, (40, 1))
+    with torch.inference_mode():
+        first, _ = model.features(tokens)
+    with torch.no_grad():
+        again, _ = model.features(tokens)
+    assert torch.equal(first, again)

@@ -149,8 +149,9 @@ def stepped_features(model, tokens: Tensor, state: tuple[Tensor, Tensor],
     table = model.config.vocab_size * len(gate_columns(H)) * 4 <= TABLE_MAX_BYTES
 
     def make():
-        h = torch.zeros(L, B, H)
-        c = torch.zeros(L, B, H)
+        with torch.inference_mode(False):  # buffers that later calls outside inference mode may write
+            h = torch.zeros(L, B, H)
+            c = torch.zeros(L, B, H)
         first = model.layers[0]
         w_ih = None if table else interleave(first.weight_ih.detach().t(), H)  # (E, Np)
         bias = None if table else interleave(first.bias.detach(), H)  # (Np,)
