@@ -48,9 +48,9 @@ SCRIPTS = pathlib.Path(__file__).resolve().parents[1] / "scripts"
 
 
 def run_script(name: str, *args, timeout: int = 600) -> str:
-    """scripts/NAME run with this Python and `args`: its stdout, once it exits 0 (else the
-    test fails with its stderr). Needs the compiled extension where the script measures it:
-    the caller skips first."""
+    """The script `name` (in scripts/) run with this Python and `args`: its stdout, once it
+    exits 0 (else the test fails with its stderr). Where the script measures the compiled
+    extension, the caller skips first without it."""
     import subprocess
     import sys
 
