@@ -215,3 +215,17 @@ def test_inference_mode_then_no_grad():
     with torch.no_grad():
         again, _ = model.features(tokens)
     assert torch.equal(first, again)
+
+
+def test_zlm_bench_times_the_cells_not_the_decoder(monkeypatch):
+    """`zlm bench`'s infer phase (and scripts/recurrent-gemm-speed, which runs it) compares
+    the cells: its models keep the window path at any batch size."""
+    from zlm.tools import bench
+
+    calls = _spy(monkeypatch)
+    cfg = bench.BenchConfig(hidden=16, batch_size=2, bptt=5, vocab=11, embed=4)
+    for impl in ("reference", "fused"):
+        model = bench._build(impl, cfg, torch.device("cpu")).eval()
+        with torch.no_grad():
+            model.features(torch.randint(0, 11, (5, 2)))
+    assert calls == []

@@ -123,7 +123,9 @@ def _build(impl: str, cfg: BenchConfig, device: torch.device) -> nn.Module:
         return TorchLSTMLM(cfg.vocab, cfg.embed, cfg.hidden).to(device)
     cell = zoneout_lstm_reference if impl == "reference" else _fused_cell(device)  # fused, graphed
     mc = ModelConfig(cfg.vocab, hidden=cfg.hidden, embed=cfg.embed, zoneout_cell=0.5, zoneout_hidden=0.05)
-    return ZoneoutLM(mc, cell=cell).to(device)
+    model = ZoneoutLM(mc, cell=cell).to(device)
+    model.stepped = False  # the infer phase times the cell; scoring's Decoder path: scripts/stepped-speed
+    return model
 
 
 class _Runner:
