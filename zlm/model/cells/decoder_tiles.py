@@ -10,16 +10,17 @@ token by token (`zlm.inference.stepper.Stepper`).
 `stepped_features` runs a scoring window through it: `Decoder.run` steps the window's T
 tokens in one call and returns the top layer's h after each, what `ZoneoutLM.features`
 returns in eval mode. Layer 0's input projection is the Decoder's table of every token's
-(V, 4H), where that is at most TABLE_MAX_BYTES, else one matrix product per window. With one or a few streams a window's recurrence is a chain of
-matrix-vector products, which the Decoder's tiles split over the cores in one pass over
-the weights, with each tile's element-wise step done by the thread that computed it; the
-window path (the fused cell's forward, one matrix product and one element-wise call per
-step) pays for a product shaped for larger batches. `ZoneoutLM.features` takes this path
-in eval mode without gradients on the CPU for at most `max_streams` streams (16 with the
-AVX2 product, else 4; `step_weights` gives the rest of the conditions): what `zlm eval
---cache`, `zlm eval --dynamic`'s plain score, `zlm eval --batch-size 1` and `zlm score`
-run, and on AVX2 CPUs `zlm eval` and training's validation at their 16 streams too. Its
-speed against the window path: docs/speed.md, "Scoring one stream".
+(V, 4H) where that takes at most TABLE_MAX_BYTES, else one matrix product per window. With
+a few streams a window's recurrence is a chain of small products, which the Decoder's
+tiles split over the cores in one pass over the weights per 4 streams, each tile's
+element-wise step done by the thread that computed it; the window path (the fused cell's
+forward, one matrix product and one element-wise call per step) pays for a product shaped
+for larger batches. `ZoneoutLM.features` takes this path in eval mode without gradients on
+the CPU for at most `max_streams` streams (`step_weights` gives the rest of the
+conditions): what `zlm eval --cache`, `zlm eval --dynamic`'s plain score, `zlm eval
+--batch-size 1` and `zlm score` run, and with the AVX2 product `zlm eval` and training's
+validation at their 16 streams too. Measured against the window path: docs/speed.md,
+"Scoring one stream".
 """
 
 from __future__ import annotations
@@ -34,19 +35,16 @@ from zlm.model.cells.kernel_constants import DECODER_TILE, DECODER_UNITS
 from zlm.model.cells.packed_gemm import cached
 
 # The most streams `stepped_features` takes, by the Decoder's product (`decoder_kernel()`).
-# The Decoder reads a weight tile once per 4 streams, the window path's product serves all
-# streams at once. fp32 on 2 AVX2 cores the Decoder was faster at every count measured, 1 to
-# 16 streams (1.3-2.1x at 1-2, 1.1-1.2x at 16; 1 x 384 and 1 x 512: docs/speed.md, "Scoring
-# one stream"), so the eval protocol's 16 streams take it there. Elsewhere it is measured at
-# one stream only (where it is a matrix-vector product on any CPU); with AMX the window
-# path's bf16 product is faster at 16 streams (docs/kernels.md), so those builds keep 4.
+# With the AVX2 product the Decoder was ahead of the window path at every count measured, up
+# to the eval protocol's 16 streams. Elsewhere the two paths have not been compared, and on
+# CPUs with AMX the window path's bf16 product is the faster one for many streams
+# (docs/kernels.md), so those builds keep the few streams where a matrix-vector product wins.
 STEPPED_MAX_STREAMS = {"avx2": 16}
 STEPPED_MAX_STREAMS_ELSEWHERE = 4
 
 # The largest table of layer 0's pre-activations per token (V x 4H fp32) a stepped Decoder
-# keeps: looking a token's row up costs less than the window's input projection (3.2 against
-# 7.7 ms for a window of 16 streams at 1 x 384 here, ~5-10% of the window), but a
-# sentencepiece vocabulary's table would take hundreds of MB per cached Decoder.
+# keeps: a token's row is a lookup where the window path computes one product per window,
+# but a sentencepiece vocabulary's table would take hundreds of MB per cached Decoder.
 TABLE_MAX_BYTES = 32 << 20
 
 
