@@ -36,9 +36,9 @@ from zlm.model.cells.packed_gemm import cached
 
 # The most streams `stepped_features` takes, by the Decoder's product (`decoder_kernel()`).
 # With the AVX2 product the Decoder was ahead of the window path at every count measured, up
-# to the eval protocol's 16 streams. Elsewhere the two paths have not been compared, and on
-# CPUs with AMX the window path's bf16 product is the faster one for many streams
-# (docs/kernels.md), so those builds keep the few streams where a matrix-vector product wins.
+# to the eval protocol's 16 streams. Elsewhere the two paths have not been compared, and what
+# was measured on such CPUs points to the window path for many streams (docs/speed.md,
+# "Scoring one stream"), so those builds keep the few streams where a matrix-vector product wins.
 # `scripts/stepped-speed` compares the two paths on any CPU, fp32 and (AVX512-BF16) bf16.
 STEPPED_MAX_STREAMS = {"avx2": 16}
 STEPPED_MAX_STREAMS_ELSEWHERE = 4
