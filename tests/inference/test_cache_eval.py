@@ -106,10 +106,10 @@ def test_a_fixed_share_of_zero_is_the_static_score_and_windows_do_not_matter(unt
     m, tok = untrained_char_model
     tokens = tok.encode(shakespeare_text(3_001)[1000:])
     static, n = evaluate_predictions(m, tokens, CPU, EvalProtocol(3, 40))
-    zero, k = cache_score_predictions(m, tokens, CPU, EvalProtocol(3, 40), CacheConfig(100, 0.5, 0.0))
+    zero, k, _ = cache_score_predictions(m, tokens, CPU, EvalProtocol(3, 40), CacheConfig(100, 0.5, 0.0))
     assert k == n and zero == pytest.approx(static, rel=1e-6)
-    a, _ = cache_score_predictions(m, tokens, CPU, EvalProtocol(3, 40), CacheConfig(100))
-    b, _ = cache_score_predictions(m, tokens, CPU, EvalProtocol(3, 17), CacheConfig(100))
+    a, _, _ = cache_score_predictions(m, tokens, CPU, EvalProtocol(3, 40), CacheConfig(100))
+    b, _, _ = cache_score_predictions(m, tokens, CPU, EvalProtocol(3, 17), CacheConfig(100))
     assert a == pytest.approx(b, rel=1e-6)
 
 
@@ -117,10 +117,10 @@ def test_the_tail_continues_the_last_stream_and_a_sample_counts_its_share(untrai
     m, tok = untrained_char_model
     tokens = tok.encode(shakespeare_text(1_000))[:611]  # 610 predictions: 4 x 152 and a tail of 2
     _, n = evaluate_predictions(m, tokens, CPU, EvalProtocol(4, 50))
-    total, k = cache_score_predictions(m, tokens, CPU, EvalProtocol(4, 50), CacheConfig(64))
+    total, k, _ = cache_score_predictions(m, tokens, CPU, EvalProtocol(4, 50), CacheConfig(64))
     assert k == n == 610 and math.isfinite(total)
     _, ns = evaluate_predictions(m, tokens, CPU, EvalProtocol(4, 50, sample=100))
-    _, ks = cache_score_predictions(m, tokens, CPU, EvalProtocol(4, 50, sample=100), CacheConfig(64))
+    _, ks, _ = cache_score_predictions(m, tokens, CPU, EvalProtocol(4, 50, sample=100), CacheConfig(64))
     assert ks == ns == 100
 
 
@@ -137,7 +137,7 @@ def test_a_repeated_text_is_predicted_from_the_cache(untrained_char_model):
     piece = np.random.default_rng(0).integers(0, tok.vocab_size, 25)
     tokens = np.tile(piece, 24)  # (600,)
     static, _ = evaluate_predictions(m, tokens, CPU, EvalProtocol(1, 30))
-    cached, _ = cache_score_predictions(m, tokens, CPU, EvalProtocol(1, 30), CacheConfig(200, 10.0))
+    cached, _, _ = cache_score_predictions(m, tokens, CPU, EvalProtocol(1, 30), CacheConfig(200, 10.0))
     assert cached < 0.75 * static
     for k, v in m.state_dict().items():
         assert torch.equal(v, before[k]), k
@@ -198,8 +198,8 @@ def test_the_cache_on_cuda_is_the_cpus_score():
     cuda = Runtime(torch.device("cuda"), "fp32")
     for protocol, dyn in ((EvalProtocol(16, 64), None), (EvalProtocol(1, 64), DynamicConfig(1e-3, 1e-3, 64))):
         if dyn is None:
-            want, n = cache_score_predictions(cpu_model, tokens, CPU, protocol, CacheConfig(500))
-            got, m = cache_score_predictions(cuda_model, tokens, cuda, protocol, CacheConfig(500))
+            want, n, _ = cache_score_predictions(cpu_model, tokens, CPU, protocol, CacheConfig(500))
+            got, m, _ = cache_score_predictions(cuda_model, tokens, cuda, protocol, CacheConfig(500))
         else:
             want, n = dynamic_score_predictions(cpu_model, tokens, CPU, protocol, dyn, CacheConfig(500))
             got, m = dynamic_score_predictions(cuda_model, tokens, cuda, protocol, dyn, CacheConfig(500))

@@ -6,8 +6,8 @@ and its readable reference `cache_probability_reference`; `SwitchingShare` (the 
 share, chosen as the text goes); `CacheScorer` (both, for one set of streams: what
 `zlm eval --cache`, `zlm eval --dynamic --cache` and `zlm score --cache` score with); and
 `cache_score_predictions`, the cached counterpart of
-`zlm.core.eval_protocol.evaluate_predictions` (`cache_and_plain_predictions`: with the
-model's own score from the same pass). `CacheConfig` (--cache-size, --cache-theta,
+`zlm.core.eval_protocol.evaluate_predictions` (with the model's own score from the same
+pass). `CacheConfig` (--cache-size, --cache-theta,
 --cache-lambda) and the defaults live in the torch-free `zlm.inference.adapt_config`.
 
 The model reads the text exactly as the static protocol does (the same streams and windows,
@@ -128,9 +128,8 @@ class SwitchingShare:
 
     def __init__(self, streams: int, device, rate: float = CACHE_SWITCH_RATE,
                  lambdas: tuple[float, ...] = CACHE_LAMBDAS):
-        self.lambdas = np.array(lambdas, dtype=np.float64)
+        self.lambdas = torch.tensor(lambdas, dtype=torch.float64, device=device)
         self.device = device
-        self._lambdas = torch.tensor(lambdas, dtype=torch.float64, device=device)  # for `mix`, where the scores are
         K = len(lambdas)
         self.w = np.full((streams, K), 1.0 / K)  # each stream's weights over the shares, summing to 1
         self.keep, self.spread = 1.0 - rate, rate / K
@@ -150,7 +149,7 @@ class SwitchingShare:
         w <- (1 - rate) w q / sum(w q) + rate / K. The loop runs in numpy on the host: a
         step is a few operations on (B, K) numbers, where torch's cost per call would be most
         of the time."""
-        each = mix(log_p, p_cache, remembered, self._lambdas).cpu().numpy()  # (T, B, K)
+        each = mix(log_p, p_cache, remembered, self.lambdas).cpu().numpy()  # (T, B, K)
         T, B, _ = each.shape
         top = each.max(-1)  # (T, B)
         q = np.exp(each - top[..., None])
@@ -164,7 +163,7 @@ class SwitchingShare:
             w = joint * (self.keep / total[t])[:, None] + self.spread
         self.w = w
         out = torch.from_numpy(top + np.log(total)).to(self.device)
-        return out, torch.from_numpy(weights @ self.lambdas).to(self.device)
+        return out, torch.from_numpy(weights @ self.lambdas.cpu().numpy()).to(self.device)
 
 
 class CacheScorer:
@@ -261,18 +260,11 @@ def cache_parts(model: ZoneoutLM, tokens: np.ndarray, runtime: Runtime, protocol
 
 
 def cache_score_predictions(model: ZoneoutLM, tokens: np.ndarray, runtime: Runtime,
-                            protocol: EvalProtocol, config: CacheConfig) -> tuple[float, int]:
+                            protocol: EvalProtocol, config: CacheConfig) -> tuple[float, int, float]:
     """Cached counterpart of `evaluate_predictions` (one process): summed nats over the
-    predictions `cache_parts` scores, and their count."""
-    nats, count, _ = cache_and_plain_predictions(model, tokens, runtime, protocol, config)
-    return nats, count
-
-
-def cache_and_plain_predictions(model: ZoneoutLM, tokens: np.ndarray, runtime: Runtime,
-                                protocol: EvalProtocol, config: CacheConfig) -> tuple[float, int, float]:
-    """`cache_score_predictions`, and the model's own summed nats over the same predictions
-    from the same pass (the plain score `zlm eval --cache` prints beside the cached one:
-    `evaluate_predictions`' to float rounding, summed per token in float64)."""
+    predictions `cache_parts` scores, their count, and the model's own summed nats over the
+    same predictions from the same pass (the plain score `zlm eval --cache` prints beside the
+    cached one: `evaluate_predictions`' to float rounding, summed per token in float64)."""
     scorer = CacheScorer(protocol.streams_for(len(tokens) - 1), model.config.hidden, config, runtime.device)
     nats, count = 0.0, 0
     plain = torch.zeros((), dtype=torch.float64, device=runtime.device)

@@ -19,7 +19,7 @@ from zlm.data.dataset import Dataset
 from zlm.data.tokenizers import check_unknown, context_ids
 from zlm.errors import DataError, UsageError, require_file
 from zlm.inference.adapt_config import CacheConfig
-from zlm.inference.cache import cache_and_plain_predictions
+from zlm.inference.cache import cache_score_predictions
 from zlm.inference.dynamic import DynamicConfig, dynamic_score_predictions
 from zlm.inference.load import load_model
 
@@ -61,7 +61,7 @@ def _predict(lm, tokens, protocol: EvalProtocol, dynamic: DynamicConfig | None,
     if dynamic is not None:
         return *dynamic_score_predictions(lm.model, tokens, lm.runtime, protocol, dynamic, cache), None
     if cache is not None:
-        return cache_and_plain_predictions(lm.model, tokens, lm.runtime, protocol, cache)
+        return cache_score_predictions(lm.model, tokens, lm.runtime, protocol, cache)
     return *evaluate_predictions(lm.model, tokens, lm.runtime, protocol), None
 
 

@@ -117,14 +117,14 @@ def step_weights(model, tokens: Tensor) -> torch.dtype | None:
     `max_streams` streams, not under a tracer, with the compiled Decoder: fp32 without autocast; bf16
     under bf16 autocast where the Decoder rounds h to bf16 for each product as autocast's
     matmuls round their inputs (AVX512-BF16), not where it would widen the weights instead."""
+    if model.training or torch.is_grad_enabled():  # first: a training step pays for nothing else
+        return None
     if torch.compiler.is_compiling() or torch.compiler.is_exporting():
         return None  # a tracer sees the cell's torch ops (before any test of a shape it may keep dynamic)
-    weight = model.embedding.weight
-    if (model.training or torch.is_grad_enabled() or tokens.device.type != "cpu" or weight.dtype != torch.float32
-            or tokens.dim() != 2):
+    if tokens.device.type != "cpu" or model.embedding.weight.dtype != torch.float32 or tokens.dim() != 2:
         return None
     ext = load_extension()
-    if ext is None or not hasattr(ext.Decoder, "run") or tokens.shape[1] > max_streams(ext):
+    if ext is None or tokens.shape[1] > max_streams(ext):
         return None
     if not torch.is_autocast_enabled("cpu"):
         return torch.float32
