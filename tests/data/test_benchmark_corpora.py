@@ -263,13 +263,14 @@ def test_unseen_texts_are_pinned_and_in_no_benchmark():
     from importlib import resources
 
     unseen = bm.load_benchmark(resources.files("zlm.corpora").joinpath("unseen.json"))
-    assert len(unseen) >= 3
+    assert len(unseen) >= 6
     assert not {c.name for c in unseen} & {c.name for c in bm.load_benchmark()}
     packages = {c.source.get("package") for c in bm.load_benchmark()}
     for c in unseen:
         assert c.source["type"] == "deb" and c.source["package"] not in packages, c.name
         assert HEX64.fullmatch(c.source["sha256"]) and HEX64.fullmatch(c.text["sha256"]), c.name
-        assert c.text["bytes"] >= c.text["characters"] > 1_000_000 and c.license and c.kind
+        # a small text is one of the kinds checked (dozens of passes in 10 minutes), not a toy
+        assert c.text["bytes"] >= c.text["characters"] > 200_000 and c.license and c.kind
         bm.check_files_rule(c.assemble)
 
 
