@@ -47,17 +47,29 @@ def need_corpus(path: pathlib.Path) -> pathlib.Path:
 SCRIPTS = pathlib.Path(__file__).resolve().parents[1] / "scripts"
 
 
+def _script(name: str, args, timeout: int):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, str(SCRIPTS / name), *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout)
+
+
 def run_script(name: str, *args, timeout: int = 600) -> str:
     """The script `name` (in scripts/) run with this Python and `args`: its stdout, once it
     exits 0 (else the test fails with its stderr). Where the script measures the compiled
     extension, the caller skips first without it."""
-    import subprocess
-    import sys
-
-    out = subprocess.run([sys.executable, str(SCRIPTS / name), *map(str, args)], capture_output=True, text=True,
-                         timeout=timeout)
+    out = _script(name, args, timeout)
     assert out.returncode == 0, out.stderr
     return out.stdout
+
+
+def script_refusal(name: str, *args, timeout: int = 300) -> tuple[str, str]:
+    """The script `name` run as `run_script` runs it, where the test expects it to refuse
+    its arguments: its (stdout, stderr), once it exits non-zero (else the test fails)."""
+    out = _script(name, args, timeout)
+    assert out.returncode != 0, f"{name} exited 0:\n{out.stdout}"
+    return out.stdout, out.stderr
 
 
 def shakespeare_text(n_chars: int | None = None) -> str:

@@ -5,20 +5,15 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
-from conftest import shakespeare_text, train_run, write_char_dataset
+from conftest import run_script, shakespeare_text, train_run, write_char_dataset
 from zlm.cli import app
 from zlm.core.config import TrainConfig
 from zlm.data.dataset import Dataset
 from zlm.model.lm import ModelConfig
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "cache-grid"
 
 
 def zlm_eval(run, *args) -> dict:
@@ -32,11 +27,9 @@ def test_each_cell_is_what_zlm_eval_reports(tmp_path):
     run = tmp_path / "run"
     train_run(run, data, ModelConfig(vocab_size=data.vocab_size, hidden=16, embed=8),
               TrainConfig(batch_size=4, bptt=16, max_steps=10, eval_every=10, log_every=100))
-    out = subprocess.run([sys.executable, str(SCRIPT), str(run), "--sizes", "60", "--thetas", "0.5,2",
-                          "--rates", "0.03", "--lambdas", "0.1,0.3"],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    rows = [line for line in out.stdout.splitlines() if line.startswith("size ")]
+    out = run_script("cache-grid", run, "--sizes", "60", "--thetas", "0.5,2", "--rates", "0.03", "--lambdas",
+                     "0.1,0.3", timeout=300)
+    rows = [line for line in out.splitlines() if line.startswith("size ")]
     assert len(rows) == 2
     for row, theta in zip(rows, ("0.5", "2"), strict=True):
         static, lam1, lam3, switching = map(float, re.findall(r"\d+\.\d{4}", row))

@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "eval-speed"
+from conftest import run_script
 
 
 def test_eval_speed_prints_a_row_per_precision():
-    out = subprocess.run([sys.executable, str(SCRIPT), "--hidden", "16", "--vocab", "700", "--tokens", "3000",
-                          "--streams", "4", "--repeats", "1"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    rows = [line for line in out.stdout.splitlines() if line.startswith(("| fp32 |", "| bf16 |"))]
+    out = run_script("eval-speed", "--hidden", "16", "--vocab", "700", "--tokens", "3000", "--streams", "4",
+                     "--repeats", "1", timeout=120)
+    rows = [line for line in out.splitlines() if line.startswith(("| fp32 |", "| bf16 |"))]
     assert [r.split("|")[1].strip() for r in rows] == ["fp32", "bf16"]
     for r in rows:
         blocks, whole, ratio = (float(c.strip().replace(",", "")) for c in r.strip("|").split("|")[1:])
         assert blocks > 0 and whole > 0 and abs(ratio - blocks / whole) <= 0.011
-    assert "vocabulary 700" in out.stdout
+    assert "vocabulary 700" in out

@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "loss-speed"
+from conftest import run_script
 
 
 def test_loss_speed_prints_a_row_per_precision_and_vocabulary():
-    out = subprocess.run([sys.executable, str(SCRIPT), "--hidden", "16", "--vocabs", "40,700", "--bptt", "5",
-                          "--batch-size", "4", "--steps", "2", "--repeats", "1", "--precision", "fp32"],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    rows = [line.strip("|").split("|") for line in out.stdout.splitlines() if line.startswith(("| fp32 |", "| bf16 |"))]
+    out = run_script("loss-speed", "--hidden", "16", "--vocabs", "40,700", "--bptt", "5", "--batch-size", "4",
+                     "--steps", "2", "--repeats", "1", "--precision", "fp32", timeout=300)
+    rows = [line.strip("|").split("|") for line in out.splitlines() if line.startswith(("| fp32 |", "| bf16 |"))]
     assert [(r[0].strip(), r[1].strip()) for r in rows] == [("fp32", "40"), ("fp32", "700")]
     for r in rows:
         fused, ce, ratio = (float(c.strip()) for c in r[2:])
         assert fused > 0 and ce > 0 and abs(ratio - ce / fused) <= 0.011 + 0.02 * ratio  # rounded to 0.01 ms
-    assert "fused loss from vocabulary 512" in out.stdout
+    assert "fused loss from vocabulary 512" in out

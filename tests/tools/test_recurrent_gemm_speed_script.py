@@ -3,15 +3,10 @@ linear for the recurrent product (docs/kernels.md)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
+from conftest import run_script
 from zlm.model.cells import cpu_ext
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "recurrent-gemm-speed"
 
 
 @pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16", marks=pytest.mark.cpu_feature("amx"))])
@@ -19,14 +14,12 @@ def test_recurrent_gemm_speed_prints_both_tables(precision):
     ext = cpu_ext.load_extension()
     if ext is None or not (ext.mkl_packed_ready() if precision == "fp32" else ext.amx_ready()):
         pytest.skip("no MKL packed GEMM (fp32) or AMX (bf16) here")
-    out = subprocess.run([sys.executable, str(SCRIPT), "--precision", precision, "--hidden", "16,32",
-                          "--batch-size", "4", "--bptt", "3", "--calls", "5", "--rounds", "2", "--window-calls", "1"],
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr
+    out = run_script("recurrent-gemm-speed", "--precision", precision, "--hidden", "16,32", "--batch-size", "4",
+                     "--bptt", "3", "--calls", "5", "--rounds", "2", "--window-calls", "1")
     label = "MKL" if precision == "fp32" else "AMX"
-    assert f"| product | H | oneDNN us | {label} us | oneDNN / {label} |" in out.stdout
-    assert f"| H | phase | oneDNN | {label} | {label} / oneDNN time |" in out.stdout
-    rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.stdout.splitlines()
+    assert f"| product | H | oneDNN us | {label} us | oneDNN / {label} |" in out
+    assert f"| H | phase | oneDNN | {label} | {label} / oneDNN time |" in out
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines()
             if line.startswith("| ") and not line.startswith(("| product", "| H "))]
     products = [r for r in rows if r[0] in ("forward", "backward")]
     assert [(r[0], r[1]) for r in products] == [("forward", "16"), ("backward", "16"), ("forward", "32"),

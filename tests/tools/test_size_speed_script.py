@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "size-speed"
+from conftest import run_script, script_refusal
 
 
 def test_size_speed_prints_a_row_per_vocabulary_and_size_with_consistent_ratios():
-    out = subprocess.run([sys.executable, str(SCRIPT), "--vocabs", "40,300", "--sizes", "128,256,512",
-                          "--seconds", "0.05", "--precision", "fp32", "--bptt", "5", "--batch-size", "4"],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
+    out = run_script("size-speed", "--vocabs", "40,300", "--sizes", "128,256,512", "--seconds", "0.05",
+                     "--precision", "fp32", "--bptt", "5", "--batch-size", "4", timeout=300)
     rows = [[c.strip().replace(",", "") for c in line.strip("|").split("|")]
-            for line in out.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
+            for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert [(r[0], r[1]) for r in rows] == [(v, h) for v in ("40", "300") for h in ("128", "256", "512")]
     for _vocab, hidden, measured, one, r1, two, r2 in rows:
         measured, one, two = float(measured), float(one), float(two)
@@ -25,5 +19,5 @@ def test_size_speed_prints_a_row_per_vocabulary_and_size_with_consistent_ratios(
             assert float(r2) == 1.0
         if hidden == "512":
             assert float(r1) == 1.0
-    bad = subprocess.run([sys.executable, str(SCRIPT), "--sizes", "256,512"], capture_output=True, text=True)
-    assert bad.returncode != 0 and "must include the probed sizes 128 and 512" in bad.stderr
+    _, err = script_refusal("size-speed", "--sizes", "256,512")
+    assert "must include the probed sizes 128 and 512" in err

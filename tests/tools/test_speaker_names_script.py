@@ -7,14 +7,12 @@ import json
 import random
 import subprocess
 import sys
-from pathlib import Path
 
-from conftest import train_run, write_char_dataset
+from conftest import run_script, script_refusal, train_run, write_char_dataset
 from zlm.core.config import TrainConfig
 from zlm.data.dataset import Dataset
 from zlm.model.lm import ModelConfig
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "speaker-names"
 WORDS = "thou art my lord and i shall go hence to the king with news of war".split()
 
 
@@ -44,10 +42,7 @@ def test_speaker_names_divides_each_split_among_seen_and_unseen_name_lines(tmp_p
     train_run(run, data, ModelConfig(vocab_size=data.vocab_size, hidden=16, embed=8),
               TrainConfig(batch_size=4, bptt=16, max_steps=10, eval_every=10, log_every=100, eval_streams=4))
 
-    out = subprocess.run([sys.executable, str(SCRIPT), str(run), "--streams", "4"],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    lines = out.stdout.splitlines()
+    lines = run_script("speaker-names", run, "--streams", "4", timeout=300).splitlines()
     assert lines[0].endswith(": 3 speakers in train")
     rows = [[c.strip().replace(",", "").rstrip("%") for c in line.strip("|").split("|")]
             for line in lines if line.startswith("| valid") or line.startswith("| test")]
@@ -78,6 +73,5 @@ def test_speaker_names_refuses_a_text_that_is_no_play(tmp_path):
     run = tmp_path / "run"
     train_run(run, data, ModelConfig(vocab_size=data.vocab_size, hidden=16, embed=8),
               TrainConfig(batch_size=4, bptt=16, max_steps=2, eval_every=2, log_every=100, eval_streams=4))
-    out = subprocess.run([sys.executable, str(SCRIPT), str(run)], capture_output=True, text=True, timeout=300)
-    assert out.returncode != 0 and out.stdout == ""
-    assert "has no speaker lines" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    out, err = script_refusal("speaker-names", run)
+    assert out == "" and "has no speaker lines" in err and len(err.strip().splitlines()) == 1
