@@ -64,11 +64,13 @@ def run_script(name: str, *args, timeout: int = 600) -> str:
     return out.stdout
 
 
-def script_refusal(name: str, *args, timeout: int = 300) -> tuple[str, str]:
+def script_refusal(name: str, *args, timeout: int = 300, code: int | None = None) -> tuple[str, str]:
     """The script `name` run as `run_script` runs it, where the test expects it to refuse
-    its arguments: its (stdout, stderr), once it exits non-zero (else the test fails)."""
+    its arguments: its (stdout, stderr), once it exits non-zero (exactly `code` when given;
+    else the test fails)."""
     out = _script(name, args, timeout)
-    assert out.returncode != 0, f"{name} exited 0:\n{out.stdout}"
+    assert out.returncode != 0 if code is None else out.returncode == code, \
+        f"{name} exited {out.returncode}:\n{out.stdout}{out.stderr}"
     return out.stdout, out.stderr
 
 

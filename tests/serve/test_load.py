@@ -5,24 +5,18 @@ slot left taken (speed is measured in docs/serve.md, not asserted here)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 from serve_fixtures import tiny_run
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "serve-load"
+from conftest import run_script, script_refusal
 
 
 @pytest.mark.timeout(240)
 def test_load_with_random_disconnects(tmp_path):
     run = tiny_run(tmp_path)
-    out = subprocess.run([sys.executable, str(SCRIPT), str(run), "--clients", "8", "--requests", "3",
-                          "--length", "300", "--disconnect", "0.4", "--seed", "1", "--json"],
-                         capture_output=True, text=True, timeout=200)
-    assert out.returncode == 0, out.stdout + out.stderr
-    r = json.loads(out.stdout)
+    r = json.loads(run_script("serve-load", run, "--clients", "8", "--requests", "3", "--length", "300",
+                              "--disconnect", "0.4", "--seed", "1", "--json", timeout=200))
     assert r["errors"] == 0 and r["leaked_slots"] == 0, r
     assert r["requests"] == 24 and r["completed"] + r["dropped"] == 24 and r["refused"] == 0
     assert r["dropped"] > 0 and r["completed"] > 0
@@ -30,16 +24,13 @@ def test_load_with_random_disconnects(tmp_path):
 
 
 def test_only_loopback_addresses():
-    out = subprocess.run([sys.executable, str(SCRIPT), "--url", "http://192.0.2.1:8000"],
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 1 and "loopback only" in out.stderr
+    _, err = script_refusal("serve-load", "--url", "http://192.0.2.1:8000", timeout=60, code=1)
+    assert "loopback only" in err
 
 
 def test_the_ceiling_without_http(tmp_path):
     run = tiny_run(tmp_path)
-    out = subprocess.run([sys.executable, str(SCRIPT), str(run), "--ceiling", "--clients", "3", "--length", "50",
-                          "--json"], capture_output=True, text=True, timeout=200)
-    assert out.returncode == 0, out.stdout + out.stderr
-    r = json.loads(out.stdout)
+    r = json.loads(run_script("serve-load", run, "--ceiling", "--clients", "3", "--length", "50", "--json",
+                              timeout=200))
     assert r["clients"] == 3 and r["kernel"] == "decode"
     assert r["engine_chars_per_s"] > 0 and r["step_tokens_per_s"] > 0
