@@ -267,6 +267,29 @@ def test_static_coding_runs_the_decoder_on_every_core_and_older_files_still_deco
     assert decompress_bytes(lm, legacy, "f")[0] == data
 
 
+@pytest.mark.parametrize("adapt", [None, ADAPT])
+def test_a_vocabulary_without_the_table_has_its_own_kernel_path(lms, monkeypatch, adapt):
+    """Where the model's table of layer 0's pre-activations would pass TABLE_MAX_BYTES (a
+    large sentencepiece vocabulary) the step multiplies the embedding instead: other sums, so
+    the kernel path says so, files round-trip, and a file coded through the table is refused
+    in one line rather than decoded wrong."""
+    import zlm.inference.compress as compress
+    from zlm.model.cells import decoder_tiles
+
+    lm, data = lms["char"], shakespeare_text(1500).encode()
+    looked_up, _ = compress_bytes(lm, data, adapt)
+    monkeypatch.setattr(decoder_tiles, "TABLE_MAX_BYTES", 0)
+    blob, _ = compress_bytes(lm, data, adapt)
+    kernel = compress.coder_kernel(adapt)
+    assert " layer0-product/" in compress.kernel_path(kernel, adapt is not None, 0, False)
+    assert "layer0" not in compress.kernel_path(kernel, adapt is not None, 0)
+    assert Header.unpack(blob, "f")[0].kernel == compress.kernel_id(
+        "fp32", kernel, adapt is not None, lm.model_config.hidden, False) != Header.unpack(looked_up, "f")[0].kernel
+    assert decompress_bytes(lm, blob, "f")[0] == data
+    with pytest.raises(CompressedFileError, match="another kernel path"):
+        decompress_bytes(lm, looked_up, "f")
+
+
 def test_an_adapt_file_names_the_cells_recurrent_product(lms, monkeypatch):
     """--adapt runs the model's cell over windows on both sides: a file coded where its fp32
     product is MKL's says so in its kernel id and is refused, in one line, where the product

@@ -9,7 +9,7 @@ import torch
 
 import zlm.inference.stepper as stepper
 from zlm.inference.stepper import Stepper
-from zlm.model.cells import cpu_ext
+from zlm.model.cells import cpu_ext, decoder_tiles
 from zlm.model.cells.decoder_tiles import gate_columns, interleave, pack_tiles
 from zlm.model.lm import ModelConfig, ZoneoutLM
 
@@ -148,3 +148,73 @@ def test_torch_step_without_the_extension(monkeypatch):
     tokens = torch.randint(0, 13, (10, 3), generator=torch.Generator().manual_seed(3))
     got, ref = _rollout(step, model, tokens)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def _no_table(monkeypatch, model):
+    """Lower TABLE_MAX_BYTES just under this model's (V, Np) table: the Stepper keeps none."""
+    Np = len(gate_columns(model.config.hidden))
+    monkeypatch.setattr(decoder_tiles, "TABLE_MAX_BYTES", model.config.vocab_size * Np * 4 - 1)
+
+
+@pytest.mark.parametrize("kernel", ["decode", "cpp", "torch"])
+@pytest.mark.parametrize("layers", [1, 2])
+def test_step_without_the_table_matches_forward(monkeypatch, layers, kernel):
+    """Above TABLE_MAX_BYTES (a sentencepiece vocabulary) layer 0's input projection is one
+    product per step instead of a row of a (V, 4H) table: the same logits, fp32 and bf16."""
+    if kernel != "torch":
+        _need_extension()
+    model = _model(layers, hidden=33, vocab=70)
+    _no_table(monkeypatch, model)
+    tokens = torch.randint(0, 70, (20, 3), generator=torch.Generator().manual_seed(9))
+    step = Stepper(model, 3, kernel=kernel)
+    assert step.kernel == kernel
+    if kernel == "decode":  # the Decoder keeps the embedding (V, E), not the table (V, Np)
+        assert tuple(step.decoder.table.shape) == (70, 8)
+    else:
+        assert step.table is None and tuple(step.emb.shape) == (70, 8)
+    got, ref = _rollout(step, model, tokens)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    if kernel != "torch":
+        step = Stepper(model, 3, lp=True, kernel=kernel)
+        got, ref = _rollout(step, model, tokens)
+        assert ((got - ref).norm() / ref.norm()).item() < 2e-2
+
+
+@pytest.mark.parametrize("lp", [False, True])
+def test_decode_without_the_table_keeps_rows_independent(monkeypatch, lp):
+    """The embedding's product runs in the Decoder's tiles, so a row's logits stay bit-identical
+    to stepping it alone (what `zlm serve` relies on), and a window's features through `run`
+    equal the looked-up Decoder's."""
+    _need_extension()
+    model = _model(2, hidden=33, vocab=70)
+    B, T = 7, 5
+    tokens = torch.randint(0, 70, (T, B), generator=torch.Generator().manual_seed(10))
+    looked_up, _ = _rollout(Stepper(model, B, lp=lp), model, tokens)
+    _no_table(monkeypatch, model)
+    together, _ = _rollout(Stepper(model, B, lp=lp), model, tokens)
+    torch.testing.assert_close(together, looked_up, atol=1e-5 if not lp else 2e-2, rtol=1e-5 if not lp else 2e-2)
+    h0 = torch.randn(2, B, 33, generator=torch.Generator().manual_seed(1)) * 0.5  # the state _rollout sets
+    for b in (0, 4, 6):
+        alone = Stepper(model, 1, lp=lp)
+        alone.set_state(h0[:, b : b + 1], h0[:, b : b + 1] * 0.7)
+        with torch.no_grad():
+            got = torch.stack([alone(tokens[t, b : b + 1]).clone() for t in range(T)])
+        assert torch.equal(got[:, 0], together[:, b]), f"row {b} of {B} (lp={lp})"
+
+
+def test_decoder_layer0_modes_run_alike():
+    """`run` through the embedding gives the table's features; it takes tokens only."""
+    _need_extension()
+    ext, model = cpu_ext.load_extension(), _model(2, hidden=20, vocab=45)
+    tokens = torch.randint(0, 45, (6, 2), generator=torch.Generator().manual_seed(11))
+    feats = {}
+    for layer0 in ("table", "embed"):
+        h, c = torch.zeros(2, 2, 20), torch.zeros(2, 2, 20)
+        dec = decoder_tiles.build_decoder(ext, model, h, c, False, 1, layer0=layer0)
+        feats[layer0] = torch.empty(6, 2, 20)
+        dec.run(tokens, feats[layer0])
+    torch.testing.assert_close(feats["embed"], feats["table"], atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="takes tokens"):
+        dec.run(torch.zeros(6, 2, len(gate_columns(20))), feats["embed"])
+    with pytest.raises(ValueError, match="layer0"):
+        decoder_tiles.build_decoder(ext, model, h, c, False, 1, layer0="rows")

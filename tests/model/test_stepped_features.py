@@ -193,13 +193,13 @@ def test_a_large_vocabulary_is_projected_per_window_not_tabled(table, monkeypatc
     window path's features."""
     tables = []
     real = decoder_tiles.build_decoder
-    monkeypatch.setattr(decoder_tiles, "build_decoder", lambda *a, **k: tables.append(k.get("table")) or real(*a, **k))
+    monkeypatch.setattr(decoder_tiles, "build_decoder", lambda *a, **k: tables.append(k.get("layer0")) or real(*a, **k))
     model = _model(vocab=3000)
     table_bytes = 3000 * len(decoder_tiles.gate_columns(40)) * 4
     monkeypatch.setattr(decoder_tiles, "TABLE_MAX_BYTES", table_bytes if table else table_bytes - 1)
     tokens = torch.randint(0, 3000, (70, 2))
     got, (h, c) = _windows(model, tokens, None, stepped=True)
-    assert tables == [table]
+    assert tables == ["table" if table else "given"]
     ref, (rh, rc) = _windows(model, tokens, None, stepped=False)
     for a, b in ((got, ref), (h, rh), (c, rc)):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

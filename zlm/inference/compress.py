@@ -71,6 +71,7 @@ from zlm.inference.modelcoder import (
 from zlm.inference.symbols import Alphabet
 from zlm.model.cells import compiled
 from zlm.model.cells.cpu_ext import cpu_vendor, load_extension
+from zlm.model.cells.decoder_tiles import table_fits
 
 MAGIC = b"ZLMZ"
 VERSION = 2
@@ -106,9 +107,11 @@ def coder_kernel(adapt) -> str:
     return "decode" if adapt is None and ext is not None and hasattr(ext, "Decoder") else "cpp"
 
 
-def kernel_path(kernel: str = "cpp", adapt: bool = False, hidden: int = 0) -> str:
+def kernel_path(kernel: str = "cpp", adapt: bool = False, hidden: int = 0, looked_up: bool = True) -> str:
     """What the decoder's arithmetic must match to reproduce every distribution: zlm's
-    step kernel (the Decoder's product, or the "cpp" step and its thread count) and
+    step kernel (the Decoder's product, or the "cpp" step and its thread count; " layer0-product"
+    where the model's vocabulary is too large for the table of layer 0's pre-activations,
+    `decoder_tiles.table_fits`, and the step multiplies the embedding instead) and
     frequency tables, torch's and numpy's builds (numpy computes every softmax, log and
     exp of the mixing) and the CPU's instruction set as torch dispatches it. With --adapt
     the dynamic-evaluation steps run the model's cell (`hidden` units) over windows too:
@@ -126,6 +129,8 @@ def kernel_path(kernel: str = "cpp", adapt: bool = False, hidden: int = 0) -> st
         step = "stepper-decode-" + ("avx512" if product.startswith("avx512") else product)
     else:
         step = "stepper-cpp/t" + str(THREADS)
+    if not looked_up:
+        step += " layer0-product"
     cell = ""
     product = compiled.recurrent_backend(ext, hidden=hidden) if adapt and ext is not None else None
     if product == "mkl":
@@ -136,8 +141,9 @@ def kernel_path(kernel: str = "cpp", adapt: bool = False, hidden: int = 0) -> st
             f"{np.__version__} {torch.backends.cpu.get_cpu_capability()}{cell}")
 
 
-def kernel_id(precision: str, kernel: str = "cpp", adapt: bool = False, hidden: int = 0) -> bytes:
-    return hashlib.sha256(f"{precision} {kernel_path(kernel, adapt, hidden)}".encode()).digest()[:4]
+def kernel_id(precision: str, kernel: str = "cpp", adapt: bool = False, hidden: int = 0,
+              looked_up: bool = True) -> bytes:
+    return hashlib.sha256(f"{precision} {kernel_path(kernel, adapt, hidden, looked_up)}".encode()).digest()[:4]
 
 
 def _varint(n: int) -> bytes:
@@ -327,8 +333,8 @@ def compress_bytes(lm: LoadedModel, data: bytes, adapt: DynamicConfig | None = N
     costs = side.costs(len(blocks))
     coded = np.array([math.ceil(c / 8) + len(_varint(_zigzag(z - a - len(e)))) < z - a
                       for c, e, (_, a, z) in zip(costs, ext, blocks, strict=True)], dtype=bool)
-    ids = model_id(lm)[:8], kernel_id(lm.runtime.precision, kernel, adapt is not None, lm.model_config.hidden), \
-        zlib.crc32(data)
+    ids = model_id(lm)[:8], kernel_id(lm.runtime.precision, kernel, adapt is not None, lm.model_config.hidden,
+                                      table_fits(lm.model)), zlib.crc32(data)
 
     def container(coded: np.ndarray) -> tuple[bytes, bytes]:
         """(header, stored blocks + range coder bytes)."""
@@ -379,17 +385,18 @@ def _matching_kernel(lm: LoadedModel, header: Header, name: str) -> tuple[str, d
     also tries the cell's other products and weight-gradient paths (`_CELL_VARIANTS`)."""
     prec = lm.runtime.precision
     adapt = header.adapt is not None
-    hidden = lm.model_config.hidden
+    hidden, looked_up = lm.model_config.hidden, table_fits(lm.model)
     for cell in _CELL_VARIANTS if adapt else ({},):
         with _cell_settings(cell):
             kernel = next((k for k in dict.fromkeys((coder_kernel(header.adapt), "cpp"))
-                           if header.kernel == kernel_id(prec, k, adapt, hidden)), None)
+                           if header.kernel == kernel_id(prec, k, adapt, hidden, looked_up)), None)
         if kernel is not None:
             return kernel, cell
     mine = coder_kernel(header.adapt)
     raise CompressedFileError(
         f"{name} was compressed with another kernel path (id {header.kernel.hex()}; this is "
-        f"{kernel_id(prec, mine, adapt, hidden).hex()}: '{prec} {kernel_path(mine, adapt, hidden)}'); decompress with "
+        f"{kernel_id(prec, mine, adapt, hidden, looked_up).hex()}: "
+        f"'{prec} {kernel_path(mine, adapt, hidden, looked_up)}'); decompress with "
         "the same zlm/torch build on the same kind of CPU")
 
 

@@ -4,6 +4,8 @@ The step is the model's own arithmetic (eval mode: zoneout uses its expectation,
 is off) laid out for T = 1:
 
     layer 0   gates = table[tok] + h W_hh^T          table = E W_ih^T + b, (V, 4H), once
+                    (or E[tok] W_ih^T + b per step, where the table would take more than
+                    TABLE_MAX_BYTES: a sentencepiece vocabulary's would take hundreds of MB)
     layer k   gates = b + x W_ih^T + h W_hh^T        (B, 4H)
     all       i, f, o = sigmoid, g = tanh;  c~ = f c + i g;  h~ = o tanh(c~)
               c = z_c c + (1 - z_c) c~;  h = z_h h + (1 - z_h) h~
@@ -40,7 +42,7 @@ from torch import Tensor
 
 from zlm.core.graphs import CapturedStep
 from zlm.model.cells.cpu_ext import load_extension
-from zlm.model.cells.decoder_tiles import build_decoder
+from zlm.model.cells.decoder_tiles import build_decoder, table_fits
 from zlm.model.lm import ZoneoutLM
 
 KERNELS = ("auto", "decode", "cpp", "torch")
@@ -82,9 +84,11 @@ class Stepper:
         self.h = torch.zeros(cfg.layers, B, H, device=dev, dtype=dt)  # (L, B, H)
         self.c = torch.zeros_like(self.h)
         self.h_lp = self.h.to(torch.bfloat16) if self.lp and self.kernel == "cpp" else None  # bf16 copy of h
+        self.looked_up = table_fits(model)  # layer 0's input projection: a row of the table, else a product
         self.logits = torch.empty(B, cfg.vocab_size, device=dev, dtype=dt)  # (B, V)
         if self.kernel != "decode":  # the per-layer buffers of the "cpp" and "torch" kernels
             self.rec = torch.empty(B, 4 * H, device=dev, dtype=wd)  # (B, 4H) recurrent part (lp)
+            self.x0 = torch.empty(B, cfg.embed, device=dev, dtype=dt)  # (B, E) the tokens' embeddings
             self.gates = [torch.empty(B, 4 * H, device=dev, dtype=dt) for _ in model.layers]
             self.c_new, self.tanh_c, self.h_new = (torch.empty(B, H, device=dev, dtype=dt) for _ in range(3))
             # Views fixed once: sigmoid over i, f, o (B, 3H), tanh over g (B, H).
@@ -111,7 +115,13 @@ class Stepper:
             perm = torch.arange(4 * H, device=dev)
         first = model.layers[0]
         emb = model.embedding.weight  # (V, E)
-        self.table = torch.addmm(first.bias, emb, first.weight_ih.t())[:, perm].contiguous()
+        if self.looked_up:
+            self.table = torch.addmm(first.bias, emb, first.weight_ih.t())[:, perm].contiguous()  # (V, 4H)
+        else:
+            self.table = None
+            self.emb = emb.detach().clone()  # (V, E)
+            self.w_in0 = first.weight_ih[perm].t().contiguous()  # (E, 4H), in the model's dtype
+            self.b0 = first.bias[perm].contiguous()  # (4H,)
         self.w_hh = [layer.weight_hh[perm].t().to(wd).contiguous() for layer in model.layers]  # (H, 4H)
         self.w_ih = [layer.weight_ih[perm].t().to(wd).contiguous() for layer in model.layers]  # (I, 4H)
         self.bias = [layer.bias[perm].to(wd).contiguous() for layer in model.layers]  # (4H,)
@@ -120,7 +130,8 @@ class Stepper:
 
     def _pack_decoder(self, model: ZoneoutLM):
         """The C++ Decoder over packed copies of the weights, sharing self.h and self.c."""
-        return build_decoder(self.ext, model, self.h, self.c, self.lp, self.threads)
+        return build_decoder(self.ext, model, self.h, self.c, self.lp, self.threads,
+                             layer0="table" if self.looked_up else "embed")
 
     def set_state(self, h: Tensor, c: Tensor) -> None:
         """h, c: (L, 1 or B, H), broadcast over the B streams."""
@@ -153,11 +164,19 @@ class Stepper:
         h, c = self.h.clone(), self.c.clone()
         return lambda: (self.h.copy_(h), self.c.copy_(c))
 
+    def _input0(self, tok: Tensor, g: Tensor) -> None:
+        """g (B, 4H) = layer 0's input projection E[tok] W_ih^T + b: the table's rows, or one product."""
+        if self.table is not None:
+            torch.index_select(self.table, 0, tok, out=g)
+        else:
+            torch.index_select(self.emb, 0, tok, out=self.x0)
+            torch.addmm(self.b0, self.x0, self.w_in0, out=g)
+
     def _layers_compiled(self, tok: Tensor) -> Tensor:
         for k, g in enumerate(self.gates):
             h, c = self.h[k], self.c[k]  # (B, H), updated in place by the C++ step
             if k == 0:
-                torch.index_select(self.table, 0, tok, out=g)  # (B, 4H) = E[tok] W_ih^T + b
+                self._input0(tok, g)
             elif self.lp:
                 g.copy_(torch.addmm(self.bias[k], self.h_lp[k - 1], self.w_ih[k]))
             else:
@@ -178,7 +197,7 @@ class Stepper:
             h, c = self.h[k], self.c[k]  # (B, H)
             sig, tnh, i, f, o, gg = self.views[k]
             if k == 0:
-                torch.index_select(self.table, 0, tok, out=g)  # (B, 4H)
+                self._input0(tok, g)
             else:
                 torch.addmm(self.bias[k], x, self.w_ih[k], out=g)
             g.addmm_(h, self.w_hh[k])

@@ -74,25 +74,41 @@ def pack_tiles(w: Tensor) -> Tensor:
     return w.reshape(K, n // DECODER_TILE, DECODER_TILE).permute(1, 0, 2).contiguous()
 
 
+def table_fits(model) -> bool:
+    """Whether layer 0's table of every token's pre-activations (V, Np) fp32 takes at most
+    TABLE_MAX_BYTES."""
+    return model.config.vocab_size * len(gate_columns(model.config.hidden)) * 4 <= TABLE_MAX_BYTES
+
+
+LAYER0 = ("table", "given", "embed")
+
+
 @torch.no_grad()
-def build_decoder(ext, model, h: Tensor, c: Tensor, lp: bool, threads: int, table: bool = True):
+def build_decoder(ext, model, h: Tensor, c: Tensor, lp: bool, threads: int, layer0: str = "table"):
     """The C++ Decoder over packed copies of `model`'s weights (a `ZoneoutLM`, fp32), stepping
     the state h, c (L, B, H) fp32 in place. lp: bf16 weights (h, c and the sums stay fp32).
-    table: layer 0's pre-activations of every token, E W_ih^T + b (V, Np), for `step`; without
-    it (`run`, which is given them per window) one row of zeros stands in, so a large
-    vocabulary costs no memory."""
+    layer0, where layer 0's input projection x W_ih^T + b comes from:
+    "table": a table of every token's, E W_ih^T + b (V, Np), read by token (`step`, `run`);
+    "given": the caller's, per window (`run` only); one row of zeros stands in for the table;
+    "embed": the token's embedding (V, E) and W_ih packed beside W_hh, one row of products
+    more per step (`step`, `run`): a large vocabulary's table would take hundreds of MB.
+    Each row is computed alike in every mode but "given" whatever the other rows."""
+    if layer0 not in LAYER0:
+        raise ValueError(f"layer0 must be one of {LAYER0}, got {layer0!r}")
     H = model.config.hidden
     wd = torch.bfloat16 if lp else torch.float32
     first = model.layers[0]
-    if table:
+    if layer0 == "table":
         table = interleave(torch.addmm(first.bias, model.embedding.weight, first.weight_ih.t()), H)  # (V, Np)
-    else:
+    elif layer0 == "given":
         table = torch.zeros(1, len(gate_columns(H)))
+    else:
+        table = model.embedding.weight.detach().float().contiguous().clone()  # (V, E)
     weights, biases = [], []
     for k, layer in enumerate(model.layers):
-        w = layer.weight_hh.t() if k == 0 else torch.cat([layer.weight_ih.t(), layer.weight_hh.t()], 0)
+        w = layer.weight_hh.t() if k == 0 and layer0 != "embed" else torch.cat([layer.weight_ih.t(), layer.weight_hh.t()], 0)
         weights.append(pack_tiles(interleave(w, H)).to(wd))  # (tiles, K, DECODER_TILE)
-        biases.append(interleave(layer.bias, H) if k else torch.empty(0))
+        biases.append(interleave(layer.bias, H) if k or layer0 == "embed" else torch.empty(0))
     dec_w = pack_tiles(model.decoder.weight.t())  # (ceil(V / DECODER_TILE), H, DECODER_TILE)
     return ext.Decoder(table, weights, biases, dec_w, model.decoder.bias.detach().clone(), h, c,
                        [float(layer.zoneout_cell) for layer in model.layers],
@@ -145,7 +161,7 @@ def stepped_features(model, tokens: Tensor, state: tuple[Tensor, Tensor],
     lp = weights == torch.bfloat16
     zones = tuple((float(layer.zoneout_cell), float(layer.zoneout_hidden)) for layer in model.layers)
 
-    table = model.config.vocab_size * len(gate_columns(H)) * 4 <= TABLE_MAX_BYTES
+    table = table_fits(model)
 
     def make():
         with torch.inference_mode(False):  # buffers that later calls outside inference mode may write
@@ -154,7 +170,8 @@ def stepped_features(model, tokens: Tensor, state: tuple[Tensor, Tensor],
         first = model.layers[0]
         w_ih = None if table else interleave(first.weight_ih.detach().t(), H)  # (E, Np)
         bias = None if table else interleave(first.bias.detach(), H)  # (Np,)
-        return build_decoder(load_extension(), model, h, c, lp, threads, table=table), h, c, w_ih, bias
+        return build_decoder(load_extension(), model, h, c, lp, threads,
+                             layer0="table" if table else "given"), h, c, w_ih, bias
 
     # One Decoder (and state buffers) per calling thread: two threads scoring with one model
     # never share the h, c it steps.

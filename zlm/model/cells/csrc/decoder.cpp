@@ -314,16 +314,22 @@ Decoder::Decoder(at::Tensor table_, std::vector<at::Tensor> w_, std::vector<at::
               static_cast<int64_t>(keep_c.size()) == L && static_cast<int64_t>(keep_h.size()) == L,
               "Decoder: one weight, bias and keep per layer");
   const int64_t tiles = (H + kUnits - 1) / kUnits;
-  TORCH_CHECK(table.dim() == 2 && table.size(1) == tiles * kTile && table.is_contiguous() &&
-              table.scalar_type() == at::kFloat, "Decoder: table (V, Np) fp32");
+  TORCH_CHECK(table.dim() == 2 && table.is_contiguous() && table.scalar_type() == at::kFloat && L > 0 &&
+              w[0].dim() == 3, "Decoder: table (V, Np) or embedding (V, E) fp32");
+  embed = w[0].size(1) != H;
+  TORCH_CHECK(embed ? w[0].size(1) == table.size(1) + H : table.size(1) == tiles * kTile,
+              "Decoder: layer 0 takes the table (V, Np) with weight tiles of depth H, or the embedding (V, E) "
+              "with depth E + H");
+  int64_t widest = 0;
   for (int64_t l = 0; l < L; ++l) {
     const auto wt = w[l].scalar_type();
     TORCH_CHECK(wt == at::kFloat || wt == at::kBFloat16, "Decoder: fp32 or bf16 weights");
     TORCH_CHECK(w[l].is_contiguous() && w[l].dim() == 3 && w[l].size(0) == tiles &&
-                w[l].size(1) == (l == 0 ? H : 2 * H) && w[l].size(2) == kTile, "Decoder: weight tiles");
-    TORCH_CHECK(l == 0 || (bias[l].is_contiguous() && bias[l].numel() == tiles * kTile &&
-                           bias[l].scalar_type() == at::kFloat), "Decoder: bias (Np,) fp32");
+                w[l].size(1) == (l == 0 ? w[0].size(1) : 2 * H) && w[l].size(2) == kTile, "Decoder: weight tiles");
+    TORCH_CHECK((l == 0 && !embed) || (bias[l].is_contiguous() && bias[l].numel() == tiles * kTile &&
+                                       bias[l].scalar_type() == at::kFloat), "Decoder: bias (Np,) fp32");
     depth.push_back(w[l].size(1));
+    widest = std::max(widest, depth.back());
     if (kPairs && wt == at::kBFloat16) w[l] = pair_tiles(w[l]);
   }
   const int64_t V = dec_b.numel();
@@ -331,9 +337,9 @@ Decoder::Decoder(at::Tensor table_, std::vector<at::Tensor> w_, std::vector<at::
               dec_w.size(0) == (V + kTile - 1) / kTile && dec_w.size(1) == H && dec_w.size(2) == kTile,
               "Decoder: decoder tiles (ceil(V/32), H, 32) fp32");
   TORCH_CHECK(dec_b.is_contiguous() && dec_b.scalar_type() == at::kFloat, "Decoder: decoder bias fp32");
-  xcat = at::zeros({B, 2 * H}, h.options());
+  xcat = at::zeros({B, widest}, h.options());
   hnew = at::empty({B, H}, h.options());
-  xbf = at::zeros({B, 2 * H + 2}, h.options().dtype(at::kBFloat16));  // x as bf16 pairs (pair layout)
+  xbf = at::zeros({B, widest + 2}, h.options().dtype(at::kBFloat16));  // x as bf16 pairs (pair layout)
 }
 
 // One layer: pre = init + x W over every tile, then the element-wise step of its units.
@@ -342,9 +348,10 @@ void Decoder::layer(int64_t l, const int64_t* tok) {
   const int64_t B = h.size(1), H = h.size(2), tiles = w[l].size(0), K = depth[l];
   const int64_t Np = tiles * kTile;
   const W* wp = reinterpret_cast<const W*>(w[l].data_ptr());
-  const float* x = l == 0 ? h[0].data_ptr<float>() : xcat.data_ptr<float>();
-  const int64_t xs = l == 0 ? H : 2 * H;  // row stride of x
-  const float* init = l == 0 ? table.data_ptr<float>() : bias[l].data_ptr<float>();
+  const bool looked_up = l == 0 && !embed;  // layer 0's input projection is a row of the table
+  const float* x = looked_up ? h[0].data_ptr<float>() : xcat.data_ptr<float>();
+  const int64_t xs = looked_up ? H : K;  // row stride of x
+  const float* init = looked_up ? table.data_ptr<float>() : bias[l].data_ptr<float>();
   float* hp = h[l].data_ptr<float>();
   float* cp = c[l].data_ptr<float>();
   float* hn = hnew.data_ptr<float>();
@@ -368,7 +375,7 @@ void Decoder::layer(int64_t l, const int64_t* tok) {
         const int r = static_cast<int>(std::min<int64_t>(kRows, B - b0));
         for (int i = 0; i < r; ++i) {
           // layer 0: the token's table row, or the stream's row of the given projection (run)
-          const float* row = l > 0 ? init : (xp_rows != nullptr ? xp_rows + (b0 + i) * Np : init + tok[b0 + i] * Np);
+          const float* row = !looked_up ? init : (xp_rows != nullptr ? xp_rows + (b0 + i) * Np : init + tok[b0 + i] * Np);
           const float* src = row + t * kTile;
           std::memcpy(acc + i * kTile, src, sizeof(float) * kTile);
         }
@@ -415,12 +422,13 @@ void Decoder::layers(const int64_t* tp) {
   const int64_t L = h.size(0), B = h.size(1), H = h.size(2);
   float* xc = xcat.data_ptr<float>();
   for (int64_t l = 0; l < L; ++l) {
-    if (l > 0) {  // x = [h of layer l-1 (new), h of layer l (previous)]
-      const float* below = h[l - 1].data_ptr<float>();
+    if (l > 0 || embed) {  // x = [layer l's input: the h of layer l-1 (new) or the token's embedding, h of layer l]
+      const int64_t I = depth[l] - H, K = depth[l];
       const float* mine = h[l].data_ptr<float>();
       for (int64_t b = 0; b < B; ++b) {
-        std::memcpy(xc + b * 2 * H, below + b * H, sizeof(float) * H);
-        std::memcpy(xc + b * 2 * H + H, mine + b * H, sizeof(float) * H);
+        const float* in = l > 0 ? h[l - 1].data_ptr<float>() + b * H : table.data_ptr<float>() + tp[b] * I;
+        std::memcpy(xc + b * K, in, sizeof(float) * I);
+        std::memcpy(xc + b * K + I, mine + b * H, sizeof(float) * H);
       }
     }
     if (w[l].scalar_type() == at::kBFloat16) layer<uint16_t>(l, tp);
@@ -429,8 +437,9 @@ void Decoder::layers(const int64_t* tp) {
 }
 
 void Decoder::run(const at::Tensor& in, const at::Tensor& out) {
-  const int64_t L = h.size(0), B = h.size(1), H = h.size(2), Np = table.size(1);
+  const int64_t L = h.size(0), B = h.size(1), H = h.size(2), Np = w[0].size(0) * kTile;
   const bool tokens = in.scalar_type() == at::kLong;
+  TORCH_CHECK(tokens || !embed, "Decoder.run: this Decoder takes tokens (its layer 0 reads the embedding)");
   TORCH_CHECK(in.is_contiguous() && in.size(1) == B &&
               (tokens ? in.dim() == 2 : in.scalar_type() == at::kFloat && in.dim() == 3 && in.size(2) == Np),
               "Decoder.run: tokens (T, B) int64, or layer 0's interleaved pre-activations (T, B, Np) fp32");

@@ -150,17 +150,22 @@ const char* decoder_kernel();
 
 // One token per stream through every layer and the decoder, in one call (decoder.cpp).
 struct Decoder {
-  at::Tensor table;              // (V_in, Np) fp32: E W_ih^T + b of layer 0, interleaved columns
-  std::vector<at::Tensor> w;     // per layer (tiles, K_l, kTile) fp32 or bf16: K_0 = H, K_l = H + H
-  std::vector<at::Tensor> bias;  // per layer (Np,) fp32, interleaved (layer 0's is in the table)
+  // Layer 0's input projection, one of two ways (chosen by the depth of w[0]):
+  // looked up: table (V_in, Np) fp32, E W_ih^T + b per token, interleaved columns; K_0 = H;
+  // embed: table is the embedding (V_in, E) fp32, and w[0] holds [W_ih; W_hh] (K_0 = E + H)
+  //   with bias[0]: one row of products more per step, no (V, Np) table for a large vocabulary.
+  at::Tensor table;
+  std::vector<at::Tensor> w;     // per layer (tiles, K_l, kTile) fp32 or bf16: K_l = H + H for l > 0
+  std::vector<at::Tensor> bias;  // per layer (Np,) fp32, interleaved (looked up: layer 0's is in the table)
   at::Tensor dec_w;              // (ceil(V/kTile), H, kTile) fp32
   at::Tensor dec_b;              // (V,) fp32
   at::Tensor h, c;               // (L, B, H) fp32, the state, updated in place
   std::vector<double> keep_c, keep_h;
   int64_t threads;
   std::vector<int64_t> depth;    // per layer K_l (the tiles of bf16 weights may be re-laid in pairs of k)
-  at::Tensor xcat, hnew;         // scratch: (B, 2H) [input, h_prev], (B, H) the new h
-  at::Tensor xbf;                // scratch: (B, 2H + 2) bf16, x rounded for the pair layout
+  bool embed = false;            // layer 0 reads the embedding (above)
+  at::Tensor xcat, hnew;         // scratch: (B, max K_l) [input, h_prev], (B, H) the new h
+  at::Tensor xbf;                // scratch: (B, max K_l + 2) bf16, x rounded for the pair layout
   const float* xp_rows = nullptr;  // during run: layer 0's rows for this step, (B, Np)
 
   Decoder(at::Tensor table_, std::vector<at::Tensor> w_, std::vector<at::Tensor> bias_, at::Tensor dec_w_,

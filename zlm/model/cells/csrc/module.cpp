@@ -42,5 +42,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>, at::Tensor, at::Tensor,
                           at::Tensor, at::Tensor, std::vector<double>, std::vector<double>, int64_t>())
       .def("step", &zlm::Decoder::step, "one token per stream through every layer and the decoder")
-      .def("run", &zlm::Decoder::run, "T tokens (or layer 0's pre-activations) per stream: the top layer's h after each");
+      .def("run", &zlm::Decoder::run, "T tokens (or layer 0's pre-activations) per stream: the top layer's h after each")
+      .def_readonly("table", &zlm::Decoder::table, "layer 0's table (V, Np), or the embedding (V, E) it reads instead");
 }
