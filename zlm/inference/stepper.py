@@ -88,7 +88,8 @@ class Stepper:
         self.logits = torch.empty(B, cfg.vocab_size, device=dev, dtype=dt)  # (B, V)
         if self.kernel != "decode":  # the per-layer buffers of the "cpp" and "torch" kernels
             self.rec = torch.empty(B, 4 * H, device=dev, dtype=wd)  # (B, 4H) recurrent part (lp)
-            self.x0 = torch.empty(B, cfg.embed, device=dev, dtype=dt)  # (B, E) the tokens' embeddings
+            # (B, E) the tokens' embeddings, where layer 0 multiplies them instead of reading the table
+            self.x0 = None if self.looked_up else torch.empty(B, cfg.embed, device=dev, dtype=dt)
             self.gates = [torch.empty(B, 4 * H, device=dev, dtype=dt) for _ in model.layers]
             self.c_new, self.tanh_c, self.h_new = (torch.empty(B, H, device=dev, dtype=dt) for _ in range(3))
             # Views fixed once: sigmoid over i, f, o (B, 3H), tanh over g (B, H).
