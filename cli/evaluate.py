@@ -57,9 +57,15 @@ def command(
         "--file", help="Score this UTF-8 text file instead of a split.",
         show_default=False)] = None,
     batch_size: Annotated[int | None, typer.Option(
-        help="Parallel streams the text is cut into (each starts from a zero state) "
-             "\\[default: 16; 1 with --dynamic or --cache: one stream adapts to, or "
-             "remembers, all the text before it].", show_default=False)] = None,
+        help="Parallel streams the text is cut into (each after the first reads the "
+             "--stream-context tokens before its stretch first) \\[default: 16; 1 with --dynamic or "
+             "--cache: one stream adapts to, or remembers, all the text before it].",
+        show_default=False)] = None,
+    stream_context: Annotated[int, typer.Option(
+        "--stream-context",
+        help="Tokens of context each stream after the first reads before its stretch, not "
+             "scored, so it does not start cold (0: every stream starts from a zero "
+             "state).")] = 256,
     bptt: Annotated[int, typer.Option(
         help="Window length in tokens; the state is carried across windows.")] = 256,
     device: Annotated[str, typer.Option(help="auto | cpu | cuda.")] = "auto",
@@ -98,7 +104,7 @@ def command(
     config = EvalConfig(split=None if file is not None else (split or "valid"), file=file,
                         streams=(1 if dynamic or cache else 16) if batch_size is None else batch_size,
                         bptt=bptt, unknown=unknown, device=device, dynamic=dyn, cache=cached,
-                        sample=eval_tokens)
+                        sample=eval_tokens, stream_context=stream_context)
     result = evaluate(run, config)
     if as_json:
         typer.echo(json.dumps(result.to_dict()))

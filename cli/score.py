@@ -39,7 +39,12 @@ def command(
         "--json", help="One JSON object per character (char, bits, top), then a summary.")] = False,
     top_k: Annotated[int, typer.Option(help="Most likely next tokens kept per character.")] = 5,
     batch_size: Annotated[int, typer.Option(
-        help="Parallel streams (each starts from a zero state); 1 = exact.")] = 1,
+        help="Parallel streams (each after the first reads the --stream-context tokens before its "
+             "stretch first); 1 = exact.")] = 1,
+    stream_context: Annotated[int, typer.Option(
+        "--stream-context",
+        help="With --batch-size above 1: tokens of context each stream after the first "
+             "reads before its stretch, not scored (0: a zero state).")] = 256,
     bptt: Annotated[int, typer.Option(
         help="Window length in tokens; the state is carried across windows.")] = 256,
     unknown: Annotated[str, typer.Option(
@@ -56,7 +61,7 @@ def command(
     from zlm.inference.score import ScoreConfig, score
 
     config = ScoreConfig(streams=batch_size, bptt=bptt, top_k=top_k, unknown=unknown, device=device,
-                         cache=cache_config(cache, cache_size, cache_theta, cache_lambda))
+                         stream_context=stream_context, cache=cache_config(cache, cache_size, cache_theta, cache_lambda))
     if html is not None:
         check_html_target(html)  # before the model loads
     text = read_text(file, "FILE")

@@ -16,7 +16,13 @@ from typer.testing import CliRunner
 from conftest import shakespeare_text, train_run, write_char_dataset
 from zlm.cli import app
 from zlm.core.config import TrainConfig
-from zlm.core.eval_protocol import COLD_START_BITS, EvalProtocol, evaluate_predictions, evaluate_tokens
+from zlm.core.eval_protocol import (
+    COLD_START_BITS,
+    STREAM_CONTEXT,
+    EvalProtocol,
+    evaluate_predictions,
+    evaluate_tokens,
+)
 from zlm.core.precision import resolve_runtime
 from zlm.data.dataset import Dataset
 from zlm.errors import DataError, UsageError
@@ -66,24 +72,31 @@ def slow_bpc(run_dir, text: str) -> float:
     return float(slow_nats(run_dir, ids).sum()) / len(text) / math.log(2)
 
 
-def check_streams_against_the_slow_loop(run_dir, ids, streams: int, bpc: float) -> None:
+def check_streams_against_the_slow_loop(run_dir, ids, streams: int, bpc: float,
+                                       context: int = STREAM_CONTEXT) -> None:
     """`bpc`, scored with `streams` streams over the predictions of `ids`, against the slow loop.
 
     The protocol cuts the n predictions into S contiguous streams of L = n // S (the last
-    one continuing to n), each from a zero state. So the S-stream sum is exactly the slow
-    loop run on each piece from a zero state and added up: equal up to the float rounding
-    the single-stream check allows (1e-5 BPC), not within a slack. What S streams add over
-    one is then, stream by stream, the cold start's excess over the piece scored with the
-    state carried in; each is within the documented COLD_START_BITS."""
+    one continuing to n); each stream after the first reads the W = min(context, L) tokens
+    before its piece from a zero state, unscored. So the S-stream sum is exactly the slow
+    loop run on each piece with its W tokens before it, its piece's predictions added up:
+    equal up to the float rounding the single-stream check allows (1e-5 BPC), not within a
+    slack. What S streams add over one is then, stream by stream, the excess over the piece
+    scored with the whole text's state carried in: within the documented COLD_START_BITS
+    when streams start cold (context 0), and a small share of that with the context."""
     n = len(ids) - 1
     L = n // streams
+    W = min(context, L) if streams > 1 else 0
     pieces = [(s * L, (s + 1) * L if s < streams - 1 else n) for s in range(streams)]
     warm = slow_nats(run_dir, ids)  # one stream: every piece scored with the state carried in
-    cold = [float(slow_nats(run_dir, ids[a:b + 1]).sum()) for a, b in pieces]
-    assert bpc == pytest.approx(sum(cold) / n / math.log(2), abs=1e-5)
-    excess_bits = [(c - warm[a:b].sum()) / math.log(2) for c, (a, b) in zip(cold, pieces, strict=True)]
+    before = [W if s else 0 for s in range(streams)]  # context tokens read before each piece
+    scored = [float(slow_nats(run_dir, ids[a - w:b + 1])[w:].sum()) for (a, b), w in zip(pieces, before, strict=True)]
+    assert bpc == pytest.approx(sum(scored) / n / math.log(2), abs=1e-5)
+    excess_bits = [(c - warm[a:b].sum()) / math.log(2) for c, (a, b) in zip(scored, pieces, strict=True)]
     assert excess_bits[0] == pytest.approx(0, abs=1e-6)  # the first stream starts where one stream does
     assert max(excess_bits) <= COLD_START_BITS, excess_bits
+    if W >= 32:  # the context leaves little of the cold start (32 tokens: an eighth of the default)
+        assert max(abs(e) for e in excess_bits) <= COLD_START_BITS / 25, excess_bits
 
 
 def test_eval_matches_an_independent_slow_loop(run, tmp_path):
@@ -100,21 +113,29 @@ def test_eval_matches_an_independent_slow_loop(run, tmp_path):
         got[bptt] = json.loads(res.stdout)
         assert got[bptt]["characters"] == len(text) and got[bptt]["tokens"] == len(text)
         assert got[bptt]["bpc"] == pytest.approx(expected, abs=1e-5)
-    res = runner.invoke(app, ["eval", str(run), "--file", str(f), "--batch-size", "8", "--json"])
-    multi = json.loads(res.stdout)
-    assert multi["characters"] == len(text)
-    check_streams_against_the_slow_loop(run, load(run).tokenizer.encode("\n" + text), 8, multi["bpc"])
+    ids = load(run).tokenizer.encode("\n" + text)
+    for context in ([], ["--stream-context", "0"], ["--stream-context", "40", "--bptt", "7"]):  # 6 windows of context
+        res = runner.invoke(app, ["eval", str(run), "--file", str(f), "--batch-size", "8", "--json", *context])
+        multi = json.loads(res.stdout)
+        assert multi["characters"] == len(text)
+        check_streams_against_the_slow_loop(run, ids, 8, multi["bpc"], int(context[1]) if context else STREAM_CONTEXT)
+    res = runner.invoke(app, ["eval", str(run), "--file", str(f), "--batch-size", "8", "--stream-context", "-1"])
+    assert res.exit_code == 2 and "--stream-context must be >= 0" in res.output
 
 
-def test_stream_count_changes_bpc_by_at_most_the_documented_cold_start(run):
+@pytest.mark.parametrize("context", [STREAM_CONTEXT, 0])
+def test_stream_count_changes_bpc_by_at_most_the_documented_cold_start(run, context):
     lm = load(run)
-    scores = {s: lm.evaluate_split("valid", streams=s) for s in (1, 16, 64)}
+    scores = {s: lm.evaluate_split("valid", streams=s, stream_context=context) for s in (1, 16, 64)}
     one = scores[1]
     tokens = Dataset.open(run.parent / "data").tokens("valid")  # (the run's DATA_DIR)
     assert one.tokens == len(tokens) - 1 == one.characters  # a char model: a token a character
     for s, score in scores.items():
         assert (score.tokens, score.characters) == (one.tokens, one.characters)
-        check_streams_against_the_slow_loop(run, tokens, s, score.bpc)
+        check_streams_against_the_slow_loop(run, tokens, s, score.bpc, context)
+    if context:  # 124 tokens of context (16 streams) take away all but 1% of the cold starts
+        cold = lm.evaluate_split("valid", streams=16, stream_context=0).bpc - one.bpc
+        assert cold > 0.05 and abs(scores[16].bpc - one.bpc) < 0.01 * cold
 
 
 def test_the_python_api_scores_with_the_cache(run):
@@ -151,8 +172,9 @@ def test_every_prediction_is_counted_once(n, streams):
 
 def test_a_sample_scores_the_same_pieces_of_each_stream_and_their_share_of_the_characters(run):
     # --eval-tokens: S streams start where they would for the whole split and score only
-    # their first sample // S predictions, each from a zero state: the slow loop on each
-    # piece, added up (the float rounding the whole-split check allows).
+    # their first sample // S predictions, each after the first with the W = min(256, L)
+    # tokens before it read as context: the slow loop on each piece with its context,
+    # added up (the float rounding the whole-split check allows).
     tokens = Dataset.open(run.parent / "data").tokens("valid")
     n, S, sample = len(tokens) - 1, 4, 401
     L, per = n // S, 401 // 4
@@ -160,7 +182,9 @@ def test_a_sample_scores_the_same_pieces_of_each_stream_and_their_share_of_the_c
     model, rt = lm.model, lm.runtime
     nats, count = evaluate_predictions(model, tokens, rt, EvalProtocol(S, sample=sample))
     assert count == S * per == 400
-    pieces = [float(slow_nats(run, tokens[s * L:s * L + per + 1]).sum()) for s in range(S)]
+    W = min(STREAM_CONTEXT, L)
+    pieces = [float(slow_nats(run, tokens[s * L - w:s * L + per + 1])[w:].sum())
+              for s, w in enumerate([0] + [W] * (S - 1))]
     assert nats == pytest.approx(sum(pieces), rel=1e-6)
     # Characters: the split's per prediction (a char model: one each); the whole split
     # when the sample covers it.

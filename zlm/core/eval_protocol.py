@@ -13,12 +13,17 @@ only (it continues the previous split); a text (`--file`, `evaluate_text`) is pr
 by one newline token as context, so every one of its characters is predicted and char,
 byte and subword models of the same text are scored over the same character count.
 
-Each stream starts from a zero state, so more streams mean more cold starts: each extra
-stream adds the excess loss of its first ~100 characters: 5-7 bits in total for a 1 x 256
-model on tiny Shakespeare (measured, with its command: docs/inference.md). A better model
-leans on longer context and pays more per cold start, so the documented bound
-(`cold_start_bound`, checked by tests/inference/test_evaluate.py) is 50 bits per extra
-stream: S = 16 on a 300k-character split costs at most 0.0025 BPC. For the exact
+A stream that starts from a zero state pays a cold start: for a model trained with state
+resets, the excess loss of its first ~100 characters, about 5 bits (measured:
+docs/inference.md; a model trained without them can run away from a zero state for the
+rest of the stream, wherever it starts, context or not). So before its stretch each
+stream after the first reads the `stream_context` tokens that precede it (at most its
+stretch's length L) as context, not scored, and enters its stretch with the state they
+leave: S streams then score what one stream does, up to float rounding and what the LSTM
+would have remembered from further back. The first stream starts where one stream does,
+from a zero state after the split's first token. With stream_context 0 every stream starts
+cold, for a model trained with resets within the documented bound (`cold_start_bound`,
+checked by tests/inference/test_evaluate.py) of 50 bits per extra stream. For the exact
 single-stream number pass --batch-size 1.
 
 A sample (`EvalProtocol.sample`, training's `--eval-tokens`) scores fewer predictions with
@@ -50,6 +55,7 @@ from zlm.errors import UsageError
 from zlm.model.lm import NLL_BLOCK, ZoneoutLM, blocked_nll
 
 COLD_START_BITS = 50.0  # bound on the total excess bits of one extra stream's cold start
+STREAM_CONTEXT = 256  # tokens of context each stream after the first reads before its stretch
 
 
 def cold_start_bound(streams: int, characters: int) -> float:
@@ -65,6 +71,7 @@ class EvalProtocol:
     streams: int = 16  # parallel streams S (fewer if the text is short); --batch-size
     bptt: int = 256  # window length; the state is carried across windows; --bptt
     sample: int = 0  # score at most this many predictions, spread over the text (0: all); --eval-tokens
+    stream_context: int = STREAM_CONTEXT  # context each stream after the first reads before its stretch; --stream-context
 
     def __post_init__(self):
         if self.streams < 1:
@@ -73,16 +80,28 @@ class EvalProtocol:
             raise UsageError(f"--bptt must be >= 1, got {self.bptt}")
         if self.sample < 0:
             raise UsageError(f"--eval-tokens must be >= 0 (0: the whole split), got {self.sample}")
+        if self.stream_context < 0:
+            raise UsageError(f"--stream-context must be >= 0 (0: every stream starts from a zero state), "
+                             f"got {self.stream_context}")
 
     def describe(self, n_predictions: int, context: str = "") -> str:
         S = self.streams_for(n_predictions)
         what = f"; {context}" if context else ""
-        return (f"{S} parallel streams of {n_predictions // S:,} predictions, state carried "
+        W = self.stream_context_for(n_predictions)
+        warm = (f", each after the first from the {W:,} tokens before it (context, not scored)" if W
+                else ", each from a zero state" if S > 1 else "")
+        return (f"{S} parallel streams of {n_predictions // S:,} predictions{warm}, state carried "
                 f"across {self.bptt}-token windows, never reset; {n_predictions:,} predictions"
                 f"{what}")
 
     def streams_for(self, n_predictions: int) -> int:
         return max(1, min(self.streams, n_predictions))
+
+    def stream_context_for(self, n_predictions: int) -> int:
+        """Context tokens each stream after the first reads before its stretch: `stream_context`, at
+        most the stretch's length L (so it never reaches before the text), 0 for one stream."""
+        S = self.streams_for(n_predictions)
+        return 0 if S == 1 else min(self.stream_context, n_predictions // S)
 
     def per_stream(self, n_predictions: int) -> int:
         """Predictions each stream scores: its whole stretch L = n // S, or its first
@@ -102,6 +121,27 @@ def _windows(tokens: np.ndarray, starts: np.ndarray, length: int, bptt: int, dev
         T = min(bptt, length - s)
         window = read_window(tokens, starts, s, T).to(dev)  # (T+1, B)
         yield window[:-1], window[1:]
+
+
+@torch.no_grad()
+def warm_states(model: ZoneoutLM, tokens: np.ndarray, starts: np.ndarray, width: int, bptt: int,
+                runtime: Runtime):
+    """The state (h, c), each (layers, B, H), of streams that start at `starts` (B,) after
+    reading the `width` tokens before their starts as context (windows of `bptt`, nothing
+    scored); a stream starting before `width` (the text's first) keeps the zero state. None
+    when width is 0: the model's initial state."""
+    if width < 1:
+        return None
+    dev = runtime.device
+    state = model.initial_state(len(starts), dev, model.embedding.weight.dtype)
+    begin = np.maximum(starts - width, 0)
+    for s in range(0, width, bptt):
+        T = min(bptt, width - s)
+        inputs = read_window(tokens, begin, s, T - 1).to(dev)  # (T, B): the tokens before the start
+        with runtime.autocast():
+            _, state = model.features(inputs, state)
+    cold = torch.from_numpy(starts < width).to(dev)[None, :, None]
+    return tuple(torch.where(cold, torch.zeros((), dtype=t.dtype, device=dev), t).contiguous() for t in state)
 
 
 def _window_step(model: ZoneoutLM, runtime: Runtime, graphs: bool) -> WindowStep:
@@ -162,7 +202,8 @@ def evaluate_predictions(
     step = _window_step(model, runtime, dev.type == "cuda" if graphs is None else graphs)
     nats, count, state = 0.0, 0, None
     if len(mine):
-        nats, state = _run(_windows(tokens, mine * L, scored, protocol.bptt, dev), None, step, model, dev)
+        state = warm_states(model, tokens, mine * L, protocol.stream_context_for(n), protocol.bptt, runtime)
+        nats, state = _run(_windows(tokens, mine * L, scored, protocol.bptt, dev), state, step, model, dev)
         count = scored * len(mine)
     tail = n - S * L if scored == L else 0
     if tail and len(mine) and mine[-1] == S - 1:  # continue the last stream to the end

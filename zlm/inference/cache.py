@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from zlm.core.eval_protocol import EvalProtocol, _windows
+from zlm.core.eval_protocol import EvalProtocol, _windows, warm_states
 from zlm.core.precision import Runtime
 from zlm.inference.adapt_config import CACHE_LAMBDAS, CACHE_SWITCH_RATE, CacheConfig
 from zlm.model.lm import NLL_BLOCK, ZoneoutLM
@@ -248,8 +248,9 @@ def cache_parts(model: ZoneoutLM, tokens: np.ndarray, runtime: Runtime, protocol
         scored = protocol.per_stream(n)
         dev = runtime.device
         cache = memory or ContinuousCache(S, model.config.hidden, config, dev)
+        state = warm_states(model, tokens, np.arange(S) * L, protocol.stream_context_for(n), protocol.bptt, runtime)
         state = yield from _windows_parts(
-            model, runtime, _windows(tokens, np.arange(S) * L, scored, protocol.bptt, dev), None, cache)
+            model, runtime, _windows(tokens, np.arange(S) * L, scored, protocol.bptt, dev), state, cache)
         tail = n - S * L if scored == L else 0
         if tail:
             cache.keep_last()

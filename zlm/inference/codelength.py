@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from zlm.core.eval_protocol import EvalProtocol
+from zlm.core.eval_protocol import EvalProtocol, warm_states
 from zlm.core.metrics import LN2
 from zlm.data.tokenizers import Tokenizer, context_ids
 from zlm.inference.adapt_config import CacheConfig
@@ -111,7 +111,8 @@ def token_predictions(lm, ids: np.ndarray, protocol: EvalProtocol = EvalProtocol
     L = n // S
     rt = lm.runtime
     scorer = None if cache is None else CacheScorer(S, model.config.hidden, cache, rt.device)
-    state = _run_stream(model, tokens, np.arange(S) * L, L, protocol.bptt, None, rt, out, offset, scorer)
+    state = warm_states(model, tokens, np.arange(S) * L, protocol.stream_context_for(n), protocol.bptt, rt)
+    state = _run_stream(model, tokens, np.arange(S) * L, L, protocol.bptt, state, rt, out, offset, scorer)
     tail = n - S * L
     if tail:  # the last stream continues, state carried, to the end (as zlm.core.eval_protocol)
         last = (state[0][:, -1:].contiguous(), state[1][:, -1:].contiguous())

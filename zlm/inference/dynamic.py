@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from zlm.core.eval_protocol import EvalProtocol, _windows
+from zlm.core.eval_protocol import EvalProtocol, _windows, warm_states
 from zlm.inference.adapt_config import (  # noqa: F401 (the defaults, re-exported)
     DEFAULT_DECAY,
     DEFAULT_LR,
@@ -144,7 +144,8 @@ def dynamic_score_predictions(model: ZoneoutLM, tokens: np.ndarray, runtime,
     L = n // S
     dev = runtime.device
     scorer = None if cache is None else CacheScorer(S, model.config.hidden, cache, dev)
-    nats, state = 0.0, None
+    nats = 0.0
+    state = warm_states(model, tokens, np.arange(S) * L, protocol.stream_context_for(n), config.segment, runtime)
     for inputs, targets in _windows(tokens, np.arange(S) * L, L, config.segment, dev):
         more, state = adapter.score(inputs, targets, state, targets.numel(), scorer)
         nats += more

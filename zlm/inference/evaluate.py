@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from zlm.core.eval_protocol import EvalProtocol, evaluate_predictions, split_score
+from zlm.core.eval_protocol import STREAM_CONTEXT, EvalProtocol, evaluate_predictions, split_score
 from zlm.core.metrics import Score
 from zlm.data.dataset import Dataset
 from zlm.data.tokenizers import check_unknown, context_ids
@@ -129,6 +129,7 @@ class EvalConfig:
     dynamic: DynamicConfig | None = None  # --dynamic: also score with dynamic evaluation
     cache: CacheConfig | None = None  # --cache: also score with the continuous cache
     sample: int = 0  # --eval-tokens: score at most this many predictions, spread over the text (0: all)
+    stream_context: int = STREAM_CONTEXT  # --stream-context: context each stream after the first reads before its stretch
 
     def __post_init__(self):
         if self.dynamic is not None and self.precision != "fp32":
@@ -140,11 +141,11 @@ class EvalConfig:
         if self.split is not None and self.split not in SPLIT_NAMES:
             raise UsageError(f"--split {self.split} is not a split; use valid, test or train")
         check_unknown(self.unknown)
-        EvalProtocol(self.streams, self.bptt, self.sample)  # checks --batch-size, --bptt, --eval-tokens
+        EvalProtocol(self.streams, self.bptt, self.sample, self.stream_context)  # checks the four options
 
     @property
     def protocol(self) -> EvalProtocol:
-        return EvalProtocol(self.streams, self.bptt, self.sample)
+        return EvalProtocol(self.streams, self.bptt, self.sample, self.stream_context)
 
 
 @dataclass(frozen=True)
@@ -201,7 +202,7 @@ def evaluate_loaded(lm, config: EvalConfig) -> EvalResult:
     protocol, dyn, cache = config.protocol, config.dynamic, config.cache
     adapt = dyn is not None or cache is not None
     if dyn is not None:  # static and dynamic scored over the same segments as windows
-        protocol = EvalProtocol(config.streams, dyn.segment)
+        protocol = EvalProtocol(config.streams, dyn.segment, stream_context=config.stream_context)
     text = None if config.file is None else read_text_file(config.file)
     t0 = time.perf_counter()
     if text is not None:

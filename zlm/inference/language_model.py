@@ -11,7 +11,7 @@ The commands call the same library functions (`zlm.inference.evaluate`, `.sample
 
 from __future__ import annotations
 
-from zlm.core.eval_protocol import EvalProtocol
+from zlm.core.eval_protocol import STREAM_CONTEXT, EvalProtocol
 from zlm.core.metrics import Score
 from zlm.inference.adapt_config import CacheConfig
 from zlm.inference.evaluate import evaluate_split, evaluate_text
@@ -23,22 +23,27 @@ class LanguageModel(LoadedModel):
     """A loaded checkpoint (`LoadedModel`) with the methods users call."""
 
     def evaluate_text(self, text: str, *, streams: int = 1, bptt: int = 256,
-                      unknown: str = "error", cache: bool | CacheConfig = False) -> Score:
+                      unknown: str = "error", cache: bool | CacheConfig = False,
+                      stream_context: int = STREAM_CONTEXT) -> Score:
         """BPC of `text` (every character predicted; a newline is the context).
 
-        One stream by default: a short text is best scored from one cold start. cache: True
-        or a `CacheConfig` scores with the continuous cache (`zlm eval --cache`).
+        One stream by default: the whole text with its state carried. cache: True or a
+        `CacheConfig` scores with the continuous cache (`zlm eval --cache`). stream_context:
+        with several streams, the tokens each after the first reads before its stretch.
         """
-        return evaluate_text(self, text, EvalProtocol(streams, bptt), unknown, cache=_cache(cache))
+        return evaluate_text(self, text, EvalProtocol(streams, bptt, stream_context=stream_context),
+                             unknown, cache=_cache(cache))
 
     def evaluate_split(self, split: str = "valid", *, streams: int | None = None,
-                       bptt: int = 256, cache: bool | CacheConfig = False) -> Score:
+                       bptt: int = 256, cache: bool | CacheConfig = False,
+                       stream_context: int = STREAM_CONTEXT) -> Score:
         """BPC of a split of the training DATA_DIR: 16 streams by default, the protocol
         `zlm train` validates with; with the cache (as for `evaluate_text`) one, as
-        `zlm eval --cache` scores."""
+        `zlm eval --cache` scores. stream_context: as for `evaluate_text`."""
         cache = _cache(cache)
         streams = (1 if cache else 16) if streams is None else streams
-        return evaluate_split(self, split, EvalProtocol(streams, bptt), cache=cache)
+        return evaluate_split(self, split, EvalProtocol(streams, bptt, stream_context=stream_context),
+                              cache=cache)
 
     def sample(self, prime: str = "", length: int = 200, *, temperature: float = 1.0,
                top_k: int | None = None, top_p: float | None = None,

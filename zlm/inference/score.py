@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from zlm.core.eval_protocol import EvalProtocol
+from zlm.core.eval_protocol import STREAM_CONTEXT, EvalProtocol
 from zlm.core.metrics import LN2, Score
 from zlm.data.tokenizers import Tokenizer, check_unknown
 from zlm.errors import DataError, UsageError
@@ -30,7 +30,7 @@ from zlm.inference.load import load_model
 class ScoreConfig:
     """How `zlm score` scores a text."""
 
-    streams: int = 1  # parallel streams (--batch-size); 1: no cold start inside the text
+    streams: int = 1  # parallel streams (--batch-size); 1: the whole text in one stream
     bptt: int = 256  # window length in tokens (--bptt); the state is carried across windows
     top_k: int = 5  # the model's most likely next tokens kept per character (--top-k)
     unknown: str = "error"  # error | replace: characters outside a char vocabulary (--unknown)
@@ -38,16 +38,17 @@ class ScoreConfig:
     precision: str = "fp32"
     cell: str = "auto"
     cache: CacheConfig | None = None  # --cache: the continuous cache's mixture, as zlm eval --cache
+    stream_context: int = STREAM_CONTEXT  # --stream-context: context each stream after the first reads before its stretch
 
     def __post_init__(self):
         check_unknown(self.unknown)
         if self.top_k < 0:
             raise UsageError(f"--top-k must be >= 0, got {self.top_k}")
-        EvalProtocol(self.streams, self.bptt)  # checks --batch-size and --bptt
+        EvalProtocol(self.streams, self.bptt, stream_context=self.stream_context)  # checks the three options
 
     @property
     def protocol(self) -> EvalProtocol:
-        return EvalProtocol(self.streams, self.bptt)
+        return EvalProtocol(self.streams, self.bptt, stream_context=self.stream_context)
 
 
 @dataclass(frozen=True)
