@@ -138,6 +138,7 @@ def test_benchmark_end_to_end_and_restart_after_interruption(corpora, tmp_path):
     md = (out / "results.md").read_text()
     assert md.count("| tinyshakespeare | defaults |") == 2 and "defaults win" in md
     assert "- baseline: 1x16, embed 8, z_c 0, z_h 0, adam 0.002 constant" in md
+    assert "Evaluation streams: each stream after the first read the tokens before it as context." in md
     for name in ("tinyshakespeare", "fortunes-ru"):
         assert (out / name / "curves.png").is_file() and (out / name / "data" / "dataset.json").is_file()
 
@@ -368,6 +369,29 @@ def test_guard_moved_tells_a_run_trained_under_another_guard(tmp_path):
         "the guard now reacts at step 3; this run's reacted at 4"
     assert cb.guard_moved(stored_run(tmp_path, "early", "cool-down", FALLING, reacted=2)) == \
         "the guard now does not react by step 2, where this run's did"
+
+
+def test_the_report_says_how_the_streams_started_and_flags_a_mix():
+    """A record's protocol line says whether its streams read context (docs/inference.md,
+    "Stream context"); every record of the leave-one-corpus-out benchmark was scored before
+    there was any, as docs/results.md says, and a table that mixes the two is flagged."""
+    records = pathlib.Path(__file__).resolve().parents[2] / "docs" / "records" / "defaults-loco"
+    recorded = [json.loads(p.read_text()) for p in sorted(records.glob("*/*/results.json"))]
+    assert len(recorded) > 60
+    cold = "every stream started from a zero state (scored before --stream-context)"
+    assert {cb.stream_start(r["protocol"]) for r in recorded} == {cold}
+    warm = ("16 parallel streams of 3,485 predictions, each after the first from the 256 tokens before "
+            "it (context, not scored), state carried across 256-token windows, never reset; 55,769 predictions")
+    assert cb.stream_start(warm) == cb.stream_start(warm.replace("256", "40")) == (
+        "each stream after the first read the tokens before it as context")
+    assert cb.stream_start("1 parallel streams of 55,769 predictions, state carried") == "one stream"
+    rows = [{"corpus": "c", "setting": s, "seed": 1, "protocol": p}
+            for s, p in (("defaults", warm), ("baseline", recorded[0]["protocol"]))]
+    assert cb.protocol_lines(rows[:1]) == [
+        "Evaluation streams: each stream after the first read the tokens before it as context.", ""]
+    (mixed, _) = cb.protocol_lines(rows + rows[:1])  # a run listed twice is named once
+    assert mixed.startswith("**The runs were scored under different protocols**")
+    assert mixed.endswith(f"as context: c/defaults-seed1; {cold}: c/baseline-seed1.")
 
 
 def test_the_guard_has_moved_on_exactly_the_record_the_docs_name():

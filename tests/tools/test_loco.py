@@ -176,6 +176,7 @@ def test_procedure_end_to_end_and_again(corpora, tmp_path, monkeypatch):
             assert r["run"].endswith(f"grid-zc{r['zoneout_cell']:g}-seed1")
     assert sum(r["setting"] == "baseline" for r in result.rows) == 4
     assert "| tinyshakespeare |" in result.markdown and "Fitted on every corpus" in result.markdown
+    assert "Evaluation streams: each stream after the first read the tokens before it as context." in result.markdown
     # Again: everything is kept, nothing trains.
     counts = {p: len(read_metrics(p)) for p in out.glob("*/*/metrics.jsonl")}
     again = loco.defaults_loco(config)

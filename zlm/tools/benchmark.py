@@ -38,6 +38,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import shutil
 import statistics
 from dataclasses import dataclass, replace
@@ -511,6 +512,31 @@ def report_lines(missing: list[str]) -> list[str]:
     return ["Not finished yet (the same command without --report trains them): " + ", ".join(missing) + ".", ""]
 
 
+def stream_start(protocol: str | None) -> str:
+    """How a run's evaluation streams started, read from its recorded protocol line."""
+    if re.search(r"from the [\d,]+ tokens before it", protocol or ""):  # as many as fit its stretch
+        return "each stream after the first read the tokens before it as context"
+    if re.match(r"1 parallel streams", protocol or ""):
+        return "one stream"
+    return "every stream started from a zero state (scored before --stream-context)"
+
+
+def protocol_lines(rows: list[dict]) -> list[str]:
+    """How the runs' valid and test BPC were scored: one line, or a warning naming which
+    runs were scored how when the records mix protocols (their BPC do not compare)."""
+    starts: dict[str, list[str]] = {}
+    for r in rows:
+        run = f"{r['corpus']}/{r['setting']}-seed{r['seed']}"
+        how = starts.setdefault(stream_start(r.get("protocol")), [])
+        if run not in how:  # a held-out run that is also a grid run
+            how.append(run)
+    if len(starts) <= 1:
+        return [f"Evaluation streams: {next(iter(starts))}.", ""] if starts else []
+    return ["**The runs were scored under different protocols**, so their BPC do not all compare "
+            "(`zlm eval RUN --split S` scores a run again): "
+            + "; ".join(f"{how}: {', '.join(runs)}" for how, runs in starts.items()) + ".", ""]
+
+
 def fmt(v, digits: int = 3, signed: bool = False) -> str:
     """A number of the tables: `digits` decimals (a sign with `signed`), "-" for None."""
     if v is None:
@@ -538,6 +564,7 @@ def benchmark_markdown(config: BenchmarkConfig, infos: list[dict], rows: list[di
     lines = [f"Corpora benchmark: zlm's defaults vs the plain-LSTM baseline, {budget} of "
              f"training per run, seeds {', '.join(map(str, config.seeds))}, on {os.cpu_count()} "
              "CPU cores.", "", *(report_lines(list(missing)) if config.report else []),
+             *protocol_lines(rows),
              "| corpus | kind | source | characters | vocabulary | text = pinned |",
              "|---|---|---|---|---|---|"]
     for c in infos:

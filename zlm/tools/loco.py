@@ -245,7 +245,7 @@ def defaults_loco(config: cb.BenchmarkConfig = cb.BenchmarkConfig(),
     overall_window = fit_window(windows) if len(windows) > 1 else None
     summary = summarize(held, len(config.seeds), held_z, held_w)
     md = loco_markdown(config, infos, shown, folds, summary, overall, runner.missing, windows, window_folds,
-                       overall_window)
+                       overall_window, [*held, *rows, *window_runs])
     ckpt.write_json(out / "loco.json", {
         "recipe": NAME, "budget": config.budget(), "seeds": list(config.seeds), "grid_points": list(GRID),
         "hidden_share": HIDDEN_SHARE, "candidates": CANDIDATES, "window_candidates": WINDOW_CANDIDATES,
@@ -370,15 +370,15 @@ def summarize(held: list[dict], seeds: int, held_z: dict[str, float], held_w: di
 
 def loco_markdown(config: cb.BenchmarkConfig, infos: list[dict], grid: list[GridRow], folds: dict,
                   summary: list[dict], overall, missing: list[str], windows: list[WindowRow],
-                  window_folds: dict, overall_window) -> str:
+                  window_folds: dict, overall_window, runs: list[dict] = ()) -> str:
     """OUT/loco.md: the held-out table, the grid (rows with any finished run) and each
     fold's constants, the window grid and each fold's window ramp, the constants fitted on
-    all corpora, the corpora."""
+    all corpora, the corpora. runs: every run's row, for how they were scored."""
     budget = (f"{config.max_steps:,} steps" if config.max_steps is not None else f"{config.minutes:g} minutes")
     lines = [f"Leave-one-corpus-out: the defaults rule's zoneout, window and lr chosen without each corpus, "
              f"scored on it ({budget} per run, seeds {', '.join(map(str, config.seeds))}; Δ = held out - "
              f"baseline, a win when Δ <= -{cb.WIN_MARGIN:g} on valid and test).", "",
-             *(cb.report_lines(list(missing)) if config.report else []),
+             *(cb.report_lines(list(missing)) if config.report else []), *cb.protocol_lines(list(runs)),
              "| corpus | E | z_c held out | bptt, lr held out | held-out valid | baseline valid | Δ valid | "
              "held-out test | baseline test | Δ test | win |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     epochs = {g.corpus: g.epochs for g in grid}
