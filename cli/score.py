@@ -61,7 +61,8 @@ def command(
     from zlm.inference.score import ScoreConfig, score
 
     config = ScoreConfig(streams=batch_size, bptt=bptt, top_k=top_k, unknown=unknown, device=device,
-                         stream_context=stream_context, cache=cache_config(cache, cache_size, cache_theta, cache_lambda))
+                         stream_context=stream_context,
+                         cache=cache_config(cache, cache_size, cache_theta, cache_lambda))
     if html is not None:
         check_html_target(html)  # before the model loads
     text = read_text(file, "FILE")

@@ -71,7 +71,7 @@ class EvalProtocol:
     streams: int = 16  # parallel streams S (fewer if the text is short); --batch-size
     bptt: int = 256  # window length; the state is carried across windows; --bptt
     sample: int = 0  # score at most this many predictions, spread over the text (0: all); --eval-tokens
-    stream_context: int = STREAM_CONTEXT  # context each stream after the first reads before its stretch; --stream-context
+    stream_context: int = STREAM_CONTEXT  # tokens read before each later stream's stretch; --stream-context
 
     def __post_init__(self):
         if self.streams < 1:
@@ -98,8 +98,9 @@ class EvalProtocol:
         return max(1, min(self.streams, n_predictions))
 
     def stream_context_for(self, n_predictions: int) -> int:
-        """Context tokens each stream after the first reads before its stretch: `stream_context`, at
-        most the stretch's length L (so it never reaches before the text), 0 for one stream."""
+        """Context tokens each stream after the first reads before its stretch:
+        `stream_context`, at most the stretch's length L (so it never reaches before the
+        text), 0 for one stream."""
         S = self.streams_for(n_predictions)
         return 0 if S == 1 else min(self.stream_context, n_predictions // S)
 

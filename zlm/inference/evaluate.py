@@ -129,7 +129,7 @@ class EvalConfig:
     dynamic: DynamicConfig | None = None  # --dynamic: also score with dynamic evaluation
     cache: CacheConfig | None = None  # --cache: also score with the continuous cache
     sample: int = 0  # --eval-tokens: score at most this many predictions, spread over the text (0: all)
-    stream_context: int = STREAM_CONTEXT  # --stream-context: context each stream after the first reads before its stretch
+    stream_context: int = STREAM_CONTEXT  # --stream-context: tokens read before each later stream
 
     def __post_init__(self):
         if self.dynamic is not None and self.precision != "fp32":

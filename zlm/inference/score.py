@@ -38,7 +38,7 @@ class ScoreConfig:
     precision: str = "fp32"
     cell: str = "auto"
     cache: CacheConfig | None = None  # --cache: the continuous cache's mixture, as zlm eval --cache
-    stream_context: int = STREAM_CONTEXT  # --stream-context: context each stream after the first reads before its stretch
+    stream_context: int = STREAM_CONTEXT  # --stream-context: tokens read before each later stream
 
     def __post_init__(self):
         check_unknown(self.unknown)
