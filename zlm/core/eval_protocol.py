@@ -15,7 +15,7 @@ byte and subword models of the same text are scored over the same character coun
 
 A stream that starts from a zero state pays a cold start: for a model trained with state
 resets, the excess loss of its first ~100 characters, about 5 bits (measured:
-docs/inference.md; a model trained without them can run away from a zero state for the
+docs/inference.md; a model trained without them can get lost from a zero state for the
 rest of the stream, wherever it starts, context or not). So before its stretch each
 stream after the first reads the `stream_context` tokens that precede it (at most its
 stretch's length L) as context, not scored, and enters its stretch with the state they
