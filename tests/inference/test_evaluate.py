@@ -123,6 +123,17 @@ def test_eval_matches_an_independent_slow_loop(run, tmp_path):
     assert res.exit_code == 2 and "--stream-context must be >= 0" in res.output
 
 
+def test_the_commands_default_stream_context_is_the_protocols():
+    """`zlm eval` and `zlm score` spell the default out (the CLI does not import torch at
+    start-up, where STREAM_CONTEXT lives): it must stay the protocol's."""
+    import typer.main
+
+    group = typer.main.get_command(app)
+    for name in ("eval", "score"):
+        (option,) = [p for p in group.commands[name].params if "--stream-context" in p.opts]
+        assert option.default == STREAM_CONTEXT, name
+
+
 @pytest.mark.parametrize("context", [STREAM_CONTEXT, 0])
 def test_stream_count_changes_bpc_by_at_most_the_documented_cold_start(run, context):
     lm = load(run)

@@ -125,14 +125,17 @@ def _windows(tokens: np.ndarray, starts: np.ndarray, length: int, bptt: int, dev
 
 
 @torch.no_grad()
-def warm_states(model: ZoneoutLM, tokens: np.ndarray, starts: np.ndarray, width: int, bptt: int,
-                runtime: Runtime):
-    """The state (h, c), each (layers, B, H), of streams that start at `starts` (B,) after
-    reading the `width` tokens before their starts as context (windows of `bptt`, nothing
-    scored); a stream starting before `width` (the text's first) keeps the zero state. None
-    when width is 0: the model's initial state."""
+def warm_states(model: ZoneoutLM, tokens: np.ndarray, starts: np.ndarray, protocol: EvalProtocol,
+                runtime: Runtime, bptt: int | None = None):
+    """The state (h, c), each (layers, B, H), of the protocol's streams of `tokens` that
+    start at `starts` (B,) after reading the W = `protocol.stream_context_for(n)` tokens
+    before their starts as context (windows of `bptt`, the protocol's by default; nothing
+    scored); a stream starting before W (the text's first) keeps the zero state. None when
+    W is 0: the model's initial state."""
+    width = protocol.stream_context_for(len(tokens) - 1)
     if width < 1:
         return None
+    bptt = bptt or protocol.bptt
     dev = runtime.device
     state = model.initial_state(len(starts), dev, model.embedding.weight.dtype)
     begin = np.maximum(starts - width, 0)
@@ -203,7 +206,7 @@ def evaluate_predictions(
     step = _window_step(model, runtime, dev.type == "cuda" if graphs is None else graphs)
     nats, count, state = 0.0, 0, None
     if len(mine):
-        state = warm_states(model, tokens, mine * L, protocol.stream_context_for(n), protocol.bptt, runtime)
+        state = warm_states(model, tokens, mine * L, protocol, runtime)
         nats, state = _run(_windows(tokens, mine * L, scored, protocol.bptt, dev), state, step, model, dev)
         count = scored * len(mine)
     tail = n - S * L if scored == L else 0

@@ -248,8 +248,7 @@ def cache_parts(model: ZoneoutLM, tokens: np.ndarray, runtime: Runtime, protocol
         scored = protocol.per_stream(n)
         dev = runtime.device
         cache = memory or ContinuousCache(S, model.config.hidden, config, dev)
-        width = protocol.stream_context_for(n)
-        state = warm_states(model, tokens, np.arange(S) * L, width, protocol.bptt, runtime)
+        state = warm_states(model, tokens, np.arange(S) * L, protocol, runtime)
         state = yield from _windows_parts(
             model, runtime, _windows(tokens, np.arange(S) * L, scored, protocol.bptt, dev), state, cache)
         tail = n - S * L if scored == L else 0

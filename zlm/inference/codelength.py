@@ -111,7 +111,7 @@ def token_predictions(lm, ids: np.ndarray, protocol: EvalProtocol = EvalProtocol
     L = n // S
     rt = lm.runtime
     scorer = None if cache is None else CacheScorer(S, model.config.hidden, cache, rt.device)
-    state = warm_states(model, tokens, np.arange(S) * L, protocol.stream_context_for(n), protocol.bptt, rt)
+    state = warm_states(model, tokens, np.arange(S) * L, protocol, rt)
     state = _run_stream(model, tokens, np.arange(S) * L, L, protocol.bptt, state, rt, out, offset, scorer)
     tail = n - S * L
     if tail:  # the last stream continues, state carried, to the end (as zlm.core.eval_protocol)

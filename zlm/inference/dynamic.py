@@ -145,8 +145,7 @@ def dynamic_score_predictions(model: ZoneoutLM, tokens: np.ndarray, runtime,
     dev = runtime.device
     scorer = None if cache is None else CacheScorer(S, model.config.hidden, cache, dev)
     nats = 0.0
-    width = protocol.stream_context_for(n)
-    state = warm_states(model, tokens, np.arange(S) * L, width, config.segment, runtime)
+    state = warm_states(model, tokens, np.arange(S) * L, protocol, runtime, config.segment)
     for inputs, targets in _windows(tokens, np.arange(S) * L, L, config.segment, dev):
         more, state = adapter.score(inputs, targets, state, targets.numel(), scorer)
         nats += more
